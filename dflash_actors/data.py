@@ -1,0 +1,269 @@
+"""Tokenized datasets, opened by memory map and never materialized.
+
+Accepted inputs:
+  * a directory written by HF ``datasets.save_to_disk`` (``state.json`` naming one or
+    more ``data-XXXXX-of-YYYYY.arrow`` IPC *stream* shards), or a directory of ``.arrow``;
+  * a single ``.arrow`` file, IPC stream or IPC file format;
+  * a ``.parquet`` file (decoded once into Arrow buffers: parquet pages are compressed,
+    so it cannot be mapped; still no Python objects per token).
+
+Columns: ``input_ids`` (list<int32|int64>), optional ``loss_mask`` (list<int8|bool|int>,
+defaults to all ones) and optional ``seq_len`` (checked against the real length).
+
+What ``open`` holds per sample is one int32 (the usable length) and, only when samples
+were dropped, one int64 (the raw row). Token and mask values stay in the mapped file;
+``copy_sample`` reads them through per-chunk numpy views of the Arrow offsets/values
+buffers, indexing the child buffer with absolute offsets (``ListArray.values`` ignores a
+slice's offset, so offsets are never rebased).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+ARROW_FILE_MAGIC = b"ARROW1"
+
+
+class DatasetError(ValueError):
+    """Bad dataset input; the message names the file and the first bad row."""
+
+
+@dataclass
+class _Chunk:
+    """One record batch: numpy views of its list offsets and values."""
+
+    file: str
+    first_row: int          # row of this chunk within its file
+    ids_offsets: np.ndarray
+    ids_values: np.ndarray
+    mask_offsets: np.ndarray | None
+    mask_values: np.ndarray | pa.Array | None   # pa.Array when bool (bit-packed)
+
+
+def _list_views(arr: pa.Array, file: str, first_row: int, col: str):
+    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        raise DatasetError(f"{file}: column {col!r} must be a list of integers (got {arr.type})")
+    if arr.null_count:
+        row = first_row + int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
+        raise DatasetError(f"{file}: row {row}: {col} is null")
+    offsets = arr.offsets.to_numpy(zero_copy_only=True)
+    child = arr.values
+    vt = child.type
+    if pa.types.is_boolean(vt):
+        values = child            # bit-packed: sliced and unpacked per sample on read
+    elif pa.types.is_integer(vt):
+        values = child.to_numpy(zero_copy_only=True)
+    else:
+        raise DatasetError(f"{file}: column {col!r} must hold integers (got list<{vt}>)")
+    return offsets, values
+
+
+def _read_table(path: Path) -> pa.Table:
+    """Memory-map an Arrow stream/file shard (zero copy) or decode a parquet file."""
+    if path.suffix == ".parquet":
+        return pq.read_table(path, memory_map=True)
+    source = pa.memory_map(str(path), "r")
+    head = source.read(len(ARROW_FILE_MAGIC))
+    source.seek(0)
+    try:
+        if head == ARROW_FILE_MAGIC:
+            return pa.ipc.open_file(source).read_all()
+        return pa.ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid as e:
+        raise DatasetError(f"{path}: not an Arrow IPC stream or file ({e})") from None
+
+
+def _shard_paths(path: Path) -> list[Path]:
+    if not path.exists():
+        raise DatasetError(f"{path}: dataset not found")
+    if path.is_file():
+        if path.suffix not in (".arrow", ".parquet"):
+            raise DatasetError(f"{path}: expected a save_to_disk directory, .arrow or .parquet")
+        return [path]
+    state = path / "state.json"
+    if state.is_file():
+        try:
+            files = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise DatasetError(f"{state}: unreadable save_to_disk state ({e!r})") from None
+        shards = [path / f for f in files]
+        missing = [s for s in shards if not s.is_file()]
+        if missing:
+            raise DatasetError(f"{missing[0]}: listed in state.json but missing")
+    else:
+        shards = sorted(path.glob("*.arrow")) or sorted(path.glob("*.parquet"))
+    if not shards:
+        raise DatasetError(f"{path}: no .arrow or .parquet shards in this directory")
+    return shards
+
+
+class TokenDataset:
+    """A read-only, memory-mapped view of tokenized samples.
+
+    ``lengths[i]`` is sample i's length after ``max_seq_len`` handling; sample ids are
+    positions among the kept samples.
+    """
+
+    def __init__(self, path: str | Path, max_seq_len: int | None = None,
+                 overlong: str = "truncate", progress: bool = True):
+        self.path = Path(path)
+        self._tables: list[pa.Table] = []   # keep the maps alive
+        self._chunks: list[_Chunk] = []
+        raw_lengths: list[np.ndarray] = []
+        self.has_loss_mask = True
+        shards = _shard_paths(self.path)
+        for shard in tqdm(shards, desc="open dataset", unit="shard", delay=1.0, disable=not progress):
+            table = _read_table(shard)
+            self._tables.append(table)
+            raw_lengths.extend(self._add_shard(str(shard), table))
+        lengths = np.concatenate(raw_lengths) if raw_lengths else np.zeros(0, np.int64)
+        if len(lengths) == 0:
+            raise DatasetError(f"{self.path}: dataset has no samples")
+        # Map each raw row to its chunk and row-in-chunk, lazily, via chunk row starts.
+        self._chunk_rows = np.cumsum([0] + [len(c.ids_offsets) - 1 for c in self._chunks])
+        self.num_raw = int(len(lengths))
+        self.n_truncated = self.n_dropped = 0
+        self._kept: np.ndarray | None = None
+        if max_seq_len is not None:
+            over = lengths > max_seq_len
+            if overlong == "drop":
+                self.n_dropped = int(over.sum())
+                if self.n_dropped:
+                    self._kept = np.flatnonzero(~over)
+                    lengths = lengths[self._kept]
+                    if len(lengths) == 0:
+                        raise DatasetError(f"{self.path}: every sample is longer than max_seq_len={max_seq_len}")
+            elif overlong == "truncate":
+                self.n_truncated = int(over.sum())
+                lengths = np.minimum(lengths, max_seq_len)
+            else:
+                raise ValueError(f"overlong must be 'truncate' or 'drop' (got {overlong!r})")
+        self.lengths = lengths.astype(np.int32)
+
+    # -- opening --------------------------------------------------------------
+
+    def _add_shard(self, file: str, table: pa.Table) -> list[np.ndarray]:
+        cols = table.column_names
+        if "input_ids" not in cols:
+            raise DatasetError(f"{file}: missing column 'input_ids' (columns: {cols})")
+        has_mask = "loss_mask" in cols
+        if self._chunks and has_mask != self.has_loss_mask:
+            raise DatasetError(f"{file}: loss_mask present in some shards but not others")
+        self.has_loss_mask = has_mask
+        ids_col = table.column("input_ids")
+        mask_col = table.column("loss_mask") if has_mask else None
+        seq_col = table.column("seq_len") if "seq_len" in cols else None
+        out, row = [], 0
+        # Chunk boundaries may differ between columns; align all on input_ids' chunks.
+        for ids_chunk in ids_col.chunks:
+            n = len(ids_chunk)
+            ids_off, ids_val = _list_views(ids_chunk, file, row, "input_ids")
+            lengths = np.diff(ids_off).astype(np.int64)
+            bad = np.flatnonzero(lengths == 0)
+            if len(bad):
+                raise DatasetError(f"{file}: row {row + int(bad[0])}: empty sample (0 tokens)")
+            mask_off = mask_val = None
+            if mask_col is not None:
+                mask_chunk = mask_col.slice(row, n).combine_chunks()
+                mask_off, mask_val = _list_views(mask_chunk, file, row, "loss_mask")
+                bad = np.flatnonzero(np.diff(mask_off) != lengths)
+                if len(bad):
+                    r = int(bad[0])
+                    raise DatasetError(
+                        f"{file}: row {row + r}: input_ids has {lengths[r]} tokens but loss_mask has "
+                        f"{int(mask_off[r + 1] - mask_off[r])}")
+            if seq_col is not None:
+                seq = seq_col.slice(row, n).to_numpy()
+                bad = np.flatnonzero(seq != lengths)
+                if len(bad):
+                    r = int(bad[0])
+                    raise DatasetError(
+                        f"{file}: row {row + r}: seq_len says {seq[r]} but input_ids has {lengths[r]} tokens")
+            self._chunks.append(_Chunk(file, row, ids_off, ids_val, mask_off, mask_val))
+            out.append(lengths)
+            row += n
+        return out
+
+    # -- access ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    def _locate(self, i: int) -> tuple[_Chunk, int]:
+        raw = int(self._kept[i]) if self._kept is not None else int(i)
+        c = int(np.searchsorted(self._chunk_rows, raw, side="right")) - 1
+        return self._chunks[c], raw - int(self._chunk_rows[c])
+
+    def copy_sample(self, i: int, ids_out: np.ndarray, mask_out: np.ndarray) -> int:
+        """Copy sample i's (possibly truncated) tokens and loss mask; return its length."""
+        n = int(self.lengths[i])
+        chunk, r = self._locate(i)
+        a = int(chunk.ids_offsets[r])
+        ids_out[:n] = chunk.ids_values[a:a + n]
+        if chunk.mask_offsets is None:
+            mask_out[:n] = 1
+        else:
+            m = int(chunk.mask_offsets[r])
+            vals = chunk.mask_values
+            if isinstance(vals, pa.Array):
+                mask_out[:n] = vals.slice(m, n).to_numpy(zero_copy_only=False)
+            else:
+                mask_out[:n] = vals[m:m + n]
+        return n
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """One sample as fresh arrays (tests, evaluation; not the hot path)."""
+        n = int(self.lengths[i])
+        ids, mask = np.empty(n, np.int64), np.empty(n, np.int8)
+        self.copy_sample(i, ids, mask)
+        return ids, mask
+
+    def file_row(self, i: int) -> tuple[str, int]:
+        chunk, r = self._locate(i)
+        return chunk.file, chunk.first_row + r
+
+    # -- full validation (one vectorised pass over the values) ----------------
+
+    def check_values(self, vocab_size: int, progress: bool = True) -> None:
+        """Token ids in [0, vocab_size) and loss_mask in {0, 1}; first bad row named.
+
+        Kept separate from open because it reads every token (~GB/s, vectorised), while
+        open reads only offsets.
+        """
+        total = int(sum(int(c.ids_offsets[-1] - c.ids_offsets[0]) for c in self._chunks))
+        with tqdm(total=total, desc="check tokens", unit="tok", unit_scale=True, delay=1.0,
+                  disable=not progress) as bar:
+            for c in self._chunks:
+                self._check_range(c, c.ids_offsets, c.ids_values, 0, vocab_size - 1, "input_ids",
+                                  f"outside [0, {vocab_size})")
+                if c.mask_offsets is not None and not isinstance(c.mask_values, pa.Array):
+                    self._check_range(c, c.mask_offsets, c.mask_values, 0, 1, "loss_mask", "not 0 or 1")
+                bar.update(int(c.ids_offsets[-1] - c.ids_offsets[0]))
+
+    @staticmethod
+    def _check_range(c: _Chunk, offsets, values, lo, hi, col, what):
+        a, b = int(offsets[0]), int(offsets[-1])
+        step = 1 << 24   # bound the temporary boolean array
+        for s in range(a, b, step):
+            v = values[s:min(b, s + step)]
+            if v.min() < lo or v.max() > hi:
+                pos = s + int(np.flatnonzero((v < lo) | (v > hi))[0])
+                r = int(np.searchsorted(offsets, pos, side="right")) - 1
+                raise DatasetError(f"{c.file}: row {c.first_row + r}: {col} value {int(values[pos])} {what}")
+
+
+def open_dataset(cfg_data, progress: bool = True, path: str | Path | None = None) -> TokenDataset:
+    """Open the dataset a ``DataConfig`` names (``path`` overrides, e.g. the synthetic one)."""
+    return TokenDataset(path or cfg_data.path, max_seq_len=cfg_data.max_seq_len,
+                        overlong=cfg_data.overlong, progress=progress)
