@@ -153,19 +153,19 @@ def assemble(dataset, sample_ids: np.ndarray, out: BatchBuffers) -> BatchMeta:
     k = len(sample_ids)
     if k + 1 > len(out.cu_seqlens):
         raise ValueError(f"batch of {k} samples exceeds max_samples={len(out.cu_seqlens) - 1}")
-    pos, longest = 0, 0
+    lengths = dataset.lengths[sample_ids]
+    total = int(lengths.sum())
+    if total > len(out.input_ids):
+        raise ValueError(f"batch of {total} tokens exceeds the slot's {len(out.input_ids)} tokens")
     out.cu_seqlens[0] = 0
-    for r, i in enumerate(sample_ids):
-        n = int(dataset.lengths[i])
-        if pos + n > len(out.input_ids):
-            raise ValueError(f"batch exceeds the slot's {len(out.input_ids)} tokens")
-        dataset.copy_sample(i, out.input_ids[pos:pos + n], out.loss_mask[pos:pos + n])
+    np.cumsum(lengths, out=out.cu_seqlens[1:k + 1])
+    dataset.gather(sample_ids, out.input_ids, out.loss_mask)
+    pos = 0
+    for n in lengths.tolist():
         out.position_ids[pos:pos + n] = _ARANGE[:n] if n <= len(_ARANGE) else np.arange(n)
         pos += n
-        longest = max(longest, n)
-        out.cu_seqlens[r + 1] = pos
     out.sample_ids[:k] = sample_ids
-    return BatchMeta(n_samples=k, n_tokens=pos, max_len=longest)
+    return BatchMeta(n_samples=k, n_tokens=total, max_len=int(lengths.max()) if k else 0)
 
 
 _ARANGE = np.arange(1 << 16, dtype=np.int64)

@@ -94,6 +94,8 @@ class SyntheticDataConfig:
 class DataConfig:
     path: Optional[str] = None
     """HF ``save_to_disk`` directory, ``.arrow`` or ``.parquet``; None = synthetic."""
+    heldout_path: Optional[str] = None
+    """Held-out prompts for evaluation (same format); None = none, or synthetic's own."""
     max_seq_len: int = _f(4096, _ge(2))
     overlong: Literal["truncate", "drop"] = "truncate"
     cache_dir: str = ".cache"
@@ -197,6 +199,8 @@ class RuntimeConfig:
     restart_window_s: float = _f(60.0, _gt(0))
     grace_s: float = _f(10.0, _ge(0))
     """How long actors get to finish on shutdown before SIGTERM, then SIGKILL."""
+    start_timeout_s: float = _f(300.0, _gt(0))
+    """Spawn to Ready (imports, model loading) before an actor counts as hung."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ defaults to all ones) and optional ``seq_len`` (checked against the real length)
 
 What ``open`` holds per sample is one int32 (the usable length) and, only when samples
 were dropped, one int64 (the raw row). Token and mask values stay in the mapped file;
-``copy_sample`` reads them through per-chunk numpy views of the Arrow offsets/values
+``gather`` reads them through per-chunk numpy views of the Arrow offsets/values
 buffers, indexing the child buffer with absolute offsets (``ListArray.values`` ignores a
 slice's offset, so offsets are never rebased).
 """
@@ -20,6 +20,8 @@ slice's offset, so offsets are never rebased).
 from __future__ import annotations
 
 import json
+import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +71,16 @@ def _read_table(path: Path) -> pa.Table:
     """Memory-map an Arrow stream/file shard (zero copy) or decode a parquet file."""
     if path.suffix == ".parquet":
         return pq.read_table(path, memory_map=True)
-    source = pa.memory_map(str(path), "r")
-    head = source.read(len(ARROW_FILE_MAGIC))
-    source.seek(0)
+    # Python's mmap behind a BufferReader rather than pa.memory_map: the latter advises
+    # the kernel to read ahead every region it reads, which makes open cost grow with
+    # the file's size (measured ~10x slower on a 1.6 GB dataset); this stays zero-copy.
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise DatasetError(f"{path}: empty file")
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    source = pa.BufferReader(pa.py_buffer(mapped))
     try:
-        if head == ARROW_FILE_MAGIC:
+        if mapped[:len(ARROW_FILE_MAGIC)] == ARROW_FILE_MAGIC:
             return pa.ipc.open_file(source).read_all()
         return pa.ipc.open_stream(source).read_all()
     except pa.ArrowInvalid as e:
@@ -161,29 +168,30 @@ class TokenDataset:
         mask_col = table.column("loss_mask") if has_mask else None
         seq_col = table.column("seq_len") if "seq_len" in cols else None
         out, row = [], 0
-        # Chunk boundaries may differ between columns; align all on input_ids' chunks.
-        for ids_chunk in ids_col.chunks:
+        # Writers chunk all columns alike; if not, align loss_mask on input_ids' chunks
+        # (that fallback copies the mask, once).
+        aligned = mask_col is not None and [len(c) for c in mask_col.chunks] == [len(c) for c in ids_col.chunks]
+        for k, ids_chunk in enumerate(ids_col.chunks):
             n = len(ids_chunk)
             ids_off, ids_val = _list_views(ids_chunk, file, row, "input_ids")
-            lengths = np.diff(ids_off).astype(np.int64)
-            bad = np.flatnonzero(lengths == 0)
-            if len(bad):
-                raise DatasetError(f"{file}: row {row + int(bad[0])}: empty sample (0 tokens)")
+            lengths = ids_off[1:] - ids_off[:-1]
+            if not lengths.all():
+                raise DatasetError(f"{file}: row {row + int(np.argmin(lengths))}: empty sample (0 tokens)")
             mask_off = mask_val = None
             if mask_col is not None:
-                mask_chunk = mask_col.slice(row, n).combine_chunks()
+                mask_chunk = mask_col.chunk(k) if aligned else mask_col.slice(row, n).combine_chunks()
                 mask_off, mask_val = _list_views(mask_chunk, file, row, "loss_mask")
-                bad = np.flatnonzero(np.diff(mask_off) != lengths)
-                if len(bad):
-                    r = int(bad[0])
+                mismatch = (mask_off[1:] - mask_off[:-1]) != lengths
+                if mismatch.any():
+                    r = int(np.argmax(mismatch))
                     raise DatasetError(
                         f"{file}: row {row + r}: input_ids has {lengths[r]} tokens but loss_mask has "
                         f"{int(mask_off[r + 1] - mask_off[r])}")
             if seq_col is not None:
                 seq = seq_col.slice(row, n).to_numpy()
-                bad = np.flatnonzero(seq != lengths)
-                if len(bad):
-                    r = int(bad[0])
+                mismatch = seq != lengths
+                if mismatch.any():
+                    r = int(np.argmax(mismatch))
                     raise DatasetError(
                         f"{file}: row {row + r}: seq_len says {seq[r]} but input_ids has {lengths[r]} tokens")
             self._chunks.append(_Chunk(file, row, ids_off, ids_val, mask_off, mask_val))
@@ -200,38 +208,44 @@ class TokenDataset:
     def num_tokens(self) -> int:
         return int(self.lengths.sum(dtype=np.int64))
 
-    def _locate(self, i: int) -> tuple[_Chunk, int]:
-        raw = int(self._kept[i]) if self._kept is not None else int(i)
-        c = int(np.searchsorted(self._chunk_rows, raw, side="right")) - 1
-        return self._chunks[c], raw - int(self._chunk_rows[c])
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(chunk index, row within chunk) for many sample ids at once."""
+        raw = self._kept[ids] if self._kept is not None else np.asarray(ids)
+        c = np.searchsorted(self._chunk_rows, raw, side="right") - 1
+        return c, raw - self._chunk_rows[c]
 
-    def copy_sample(self, i: int, ids_out: np.ndarray, mask_out: np.ndarray) -> int:
-        """Copy sample i's (possibly truncated) tokens and loss mask; return its length."""
-        n = int(self.lengths[i])
-        chunk, r = self._locate(i)
-        a = int(chunk.ids_offsets[r])
-        ids_out[:n] = chunk.ids_values[a:a + n]
-        if chunk.mask_offsets is None:
-            mask_out[:n] = 1
-        else:
-            m = int(chunk.mask_offsets[r])
-            vals = chunk.mask_values
-            if isinstance(vals, pa.Array):
-                mask_out[:n] = vals.slice(m, n).to_numpy(zero_copy_only=False)
+    def gather(self, ids: np.ndarray, ids_out: np.ndarray, mask_out: np.ndarray) -> None:
+        """Copy samples ``ids`` back to back into ``ids_out``/``mask_out`` (packed)."""
+        lengths = self.lengths[ids].tolist()
+        chunk_idx, rows = self.locate(ids)
+        chunks = self._chunks
+        pos = 0
+        for n, c, r in zip(lengths, chunk_idx.tolist(), rows.tolist()):
+            chunk = chunks[c]
+            a = int(chunk.ids_offsets[r])
+            ids_out[pos:pos + n] = chunk.ids_values[a:a + n]
+            if chunk.mask_offsets is None:
+                mask_out[pos:pos + n] = 1
             else:
-                mask_out[:n] = vals[m:m + n]
-        return n
+                m = int(chunk.mask_offsets[r])
+                vals = chunk.mask_values
+                if isinstance(vals, pa.Array):
+                    mask_out[pos:pos + n] = vals.slice(m, n).to_numpy(zero_copy_only=False)
+                else:
+                    mask_out[pos:pos + n] = vals[m:m + n]
+            pos += n
 
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """One sample as fresh arrays (tests, evaluation; not the hot path)."""
         n = int(self.lengths[i])
         ids, mask = np.empty(n, np.int64), np.empty(n, np.int8)
-        self.copy_sample(i, ids, mask)
+        self.gather(np.array([i]), ids, mask)
         return ids, mask
 
     def file_row(self, i: int) -> tuple[str, int]:
-        chunk, r = self._locate(i)
-        return chunk.file, chunk.first_row + r
+        c, r = self.locate(np.array([i]))
+        chunk = self._chunks[int(c[0])]
+        return chunk.file, chunk.first_row + int(r[0])
 
     # -- full validation (one vectorised pass over the values) ----------------
 

@@ -1,0 +1,71 @@
+"""Everything the supervisor checks before it spawns anything.
+
+Bad input must fail here, in the parent, with one line and nothing written to the run
+directory: config (already validated on load), devices, dataset structure and token
+range, and the epoch plan. Each step that can take over a second shows progress.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .batching import EpochPlan, plan_for
+from .config import Config, ConfigError
+from .data import TokenDataset, open_dataset
+from .synthetic import ensure_synthetic_dataset
+
+
+@dataclass(frozen=True)
+class Devices:
+    targets: tuple[str, ...]
+    drafters: tuple[str, ...]
+
+
+def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:
+    """Default placement: cuda:0..N-1 for targets then cuda:N..N+M-1 for drafters when
+    that many GPUs exist, else cpu everywhere. Explicit cuda:K beyond the count is an error."""
+    top = cfg.topology
+    n, m = top.num_targets, top.num_drafters
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if top.target_devices is None and top.drafter_devices is None:
+        if cuda_count >= n + m:
+            return Devices(tuple(f"cuda:{i}" for i in range(n)), tuple(f"cuda:{n + j}" for j in range(m)))
+        return Devices(("cpu",) * n, ("cpu",) * m)
+    targets = top.target_devices or ("cpu",) * n
+    drafters = top.drafter_devices or ("cpu",) * m
+    for name, devs in (("topology.target_devices", targets), ("topology.drafter_devices", drafters)):
+        for d in devs:
+            if d.startswith("cuda:") and int(d[5:]) >= cuda_count:
+                raise ConfigError(f"{name}: {d} requested but this machine has {cuda_count} CUDA device(s)")
+    return Devices(tuple(targets), tuple(drafters))
+
+
+def dataset_paths(cfg: Config) -> tuple[Path, Path | None]:
+    """(train, held-out) paths; the synthetic default is generated once into the cache."""
+    if cfg.data.path is None:
+        return ensure_synthetic_dataset(cfg.data)
+    heldout = Path(cfg.data.heldout_path) if cfg.data.heldout_path else None
+    return Path(cfg.data.path), heldout
+
+
+@dataclass
+class Preflight:
+    devices: Devices
+    train_path: Path
+    heldout_path: Path | None
+    dataset: TokenDataset
+    plan0: EpochPlan
+
+
+def preflight(cfg: Config, vocab_size: int | None = None, progress: bool = True) -> Preflight:
+    devices = resolve_devices(cfg)
+    train, heldout = dataset_paths(cfg)
+    ds = open_dataset(cfg.data, progress=progress, path=train)
+    if vocab_size is not None:
+        ds.check_values(vocab_size, progress=progress)
+    plan0 = plan_for(cfg, ds.lengths, 0)
+    return Preflight(devices, train, heldout, ds, plan0)

@@ -1,0 +1,79 @@
+from pathlib import Path
+
+import pytest
+
+from dflash_actors.config import Config, ConfigError, config_from_dict, dump_config, load_config, parse_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_configs_dir_is_not_empty():
+    assert any(p.name == "default.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    # A dump reloads to the same config (nothing lost in the YAML round trip).
+    assert config_from_dict(__import__("yaml").safe_load(dump_config(cfg))) == cfg
+
+
+def test_overrides_and_topology():
+    cfg = load_config(ROOT / "configs/default.yaml", ["train.lr=1e-3", "data.max_seq_len=128",
+                                                      "topology.drafter_devices=[cpu, cpu, cpu]"],
+                      topology="2-3")
+    assert cfg.train.lr == 1e-3 and isinstance(cfg.train.lr, float)
+    assert cfg.data.max_seq_len == 128
+    assert (cfg.topology.num_targets, cfg.topology.num_drafters) == (2, 3)
+    assert cfg.topology.drafter_devices == ("cpu", "cpu", "cpu")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("batching.token_budget=0", "batching.token_budget: must be >= 1 (got 0)"),
+    ("batching.tokens=5", "batching.tokens: unknown key"),
+    ("nope.x=1", "nope: unknown key"),
+    ("train.lr=fast", "train.lr: must be float (got 'fast')"),
+    ("train.epochs=true", "train.epochs: must be int (got True)"),
+    ("train.epochs=1.5", "train.epochs: must be int (got 1.5)"),
+    ("data.overlong=keep", "data.overlong: must be one of ['truncate', 'drop'] (got 'keep')"),
+    ("train.warmup_ratio=2", "train.warmup_ratio: must be in [0, 1] (got 2.0)"),
+    ("drafter.block_size=100000", "drafter.block_size: must be <= batching.token_budget"),
+    ("data.max_seq_len=99999", "data.max_seq_len: must be <= batching.token_budget"),
+    ("topology.target_devices=[gpu0]", "topology.target_devices: devices are 'cpu' or 'cuda:N'"),
+    ("topology.target_devices=[cpu, cpu]", "topology.target_devices: needs 1 entries"),
+    ("data.synthetic.prompt_len=[5, 2]", "data.synthetic.prompt_len: must be [min, max]"),
+    ("data.synthetic=3", "data.synthetic: must be a mapping"),
+    ("train.lr.x=1", "train.lr: is a value, not a section"),
+    ("novalue", "expected key.path=value"),
+])
+def test_bad_values_name_the_key_path(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/default.yaml", [override])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["0-0", "2-0", "2", "a-b", "2-2-2", "-1-1"])
+def test_bad_topology(text):
+    with pytest.raises(ConfigError, match="topology"):
+        parse_topology(text)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("train: {lr: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "broken.yaml")
+
+
+def test_digest_tracks_values():
+    a = load_config(ROOT / "configs/default.yaml")
+    b = load_config(ROOT / "configs/default.yaml", ["train.lr=1e-2"])
+    assert a.digest() != b.digest()
+    assert a.digest(("data",)) == b.digest(("data",))
