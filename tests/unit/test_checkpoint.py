@@ -1,0 +1,62 @@
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from dflash_actors.checkpoint import (ResumeError, check_resumable, latest_checkpoint, list_checkpoints,
+                                      load_trainer_state, math_changes, remove_partial, save_checkpoint)
+from dflash_actors.config import Config, load_config
+
+
+def write_weights(value):
+    def write(d):
+        torch.save({"w": torch.full((4,), float(value))}, d / "model.pt")
+    return write
+
+
+def test_save_list_latest(tmp_path):
+    for step in (3, 10, 7):
+        save_checkpoint(tmp_path, step, write_weights(step), {"step": step})
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step-0000003", "step-0000007", "step-0000010"]
+    latest = latest_checkpoint(tmp_path)
+    assert load_trainer_state(latest)["step"] == 10
+    assert torch.load(latest / "model.pt")["w"][0] == 10
+    save_checkpoint(tmp_path, 10, write_weights(99), {"step": 10, "again": True})   # same step: replaced
+    assert load_trainer_state(latest_checkpoint(tmp_path))["again"]
+
+
+def _slow_save(run_dir):
+    def slow(d):
+        (d / "part").write_text("half")
+        time.sleep(60)
+    save_checkpoint(run_dir, 20, slow, {"step": 20})
+
+
+def test_kill_during_write_keeps_previous(tmp_path):
+    save_checkpoint(tmp_path, 5, write_weights(5), {"step": 5})
+    p = mp.get_context("spawn").Process(target=_slow_save, args=(str(tmp_path),))
+    p.start()
+    deadline = time.time() + 30
+    while not list((tmp_path / "checkpoints").glob(".tmp-*/part")):
+        assert time.time() < deadline and p.is_alive()
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    assert latest_checkpoint(tmp_path).name == "step-0000005"
+    assert load_trainer_state(latest_checkpoint(tmp_path))["step"] == 5
+    assert len(remove_partial(tmp_path)) == 1
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_math_changes_are_named():
+    a = Config().to_dict()
+    b = load_config(None, ["train.lr=1e-2", "runtime.hang_timeout_s=5", "topology.num_targets=3",
+                           "topology.num_drafters=2"]).to_dict()
+    assert math_changes(a, b) == ["topology.num_drafters", "train.lr"]
+    with pytest.raises(ResumeError, match=r"train\.lr: 0\.0006 -> 0\.01"):
+        check_resumable(a, b)
+    check_resumable(a, load_config(None, ["runtime.run_dir=elsewhere", "train.checkpoint_every=3"]).to_dict())
