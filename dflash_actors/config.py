@@ -126,9 +126,11 @@ class TinyTargetConfig:
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
-            raise ConfigError(f"hidden_size: must be divisible by num_heads={self.num_heads} (got {self.hidden_size})")
+            raise ConfigError(
+                f"hidden_size: must be divisible by num_heads={self.num_heads} (got {self.hidden_size})")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads: must be divisible by num_kv_heads={self.num_kv_heads} (got {self.num_heads})")
+            raise ConfigError(
+                f"num_heads: must be divisible by num_kv_heads={self.num_kv_heads} (got {self.num_heads})")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,209 @@
+"""Actor base: lifecycle, heartbeat, the one error handler, parent-death signal.
+
+Contract of every actor process:
+  consumes  ``Work`` messages from its pipe; reads its input slot and ledger row
+  produces  its output slot, then the ledger commit (``STATE = to_state``), then ``Done``
+  waits for Work (blocking on the pipe, beating every ``runtime.heartbeat_s``)
+  unblocked by the supervisor dispatching Work or sending ``Stop``
+  on restart starts from nothing: attaches to the same shared buffers and waits for
+            Work; the supervisor has already put back whatever the dead one held.
+
+Lifecycle::
+
+    spawned -> attaching (attach()) -> idle <-> working (work(w)) -> draining (drain()) -> exit 0
+                      any exception -> ActorError to the supervisor -> exit 1
+
+An actor is a class with ``attach``, ``work`` and ``drain``; the stage it serves (its
+rings and ledger states) comes from the supervisor's ``Stage`` through ``ActorContext``.
+Work that can take longer than ``runtime.hang_timeout_s`` calls ``self.beat()`` now and
+then: the supervisor kills an actor whose heartbeat is older than that, which is how a
+hung actor is told apart from a slow one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..channels import Ring
+from ..ledger import Ledger, State
+from ..messages import ActorError, Done, Ready, Stop, Work
+
+
+class Shutdown(Exception):
+    """The expected end of an actor: the supervisor said Stop."""
+
+
+class Phase(enum.IntEnum):
+    SPAWNED = 0
+    ATTACHING = 1
+    IDLE = 2
+    WORKING = 3
+    DRAINING = 4
+    EXITED = 5
+
+
+class HB(enum.IntEnum):
+    PID = 0
+    PHASE = 1
+    BEAT = 2        # time.monotonic() of the last sign of life (system-wide clock)
+    DONE = 3        # Work items completed by this incarnation
+    WIP = 4         # beats inside Work (progress within a long step)
+    BATCH = 5       # batch id in hand, -1 when idle
+
+
+class Heartbeats:
+    """Shared float64 table, one row per actor number, written by that actor only."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+        self._a = table.numpy()
+
+    @classmethod
+    def allocate(cls, n_actors: int) -> "Heartbeats":
+        t = torch.zeros(n_actors, len(HB), dtype=torch.float64)
+        t[:, HB.BATCH] = -1
+        return cls(t.share_memory_())
+
+    def __getstate__(self):
+        return {"table": self.table}
+
+    def __setstate__(self, state):
+        self.__init__(state["table"])
+
+    def reset(self, n: int, pid: int) -> None:
+        r = self._a[n]
+        r[:] = 0
+        r[HB.PID] = pid
+        r[HB.BATCH] = -1
+        r[HB.BEAT] = time.monotonic()
+
+    def row(self, n: int) -> dict:
+        r = self._a[n]
+        return {"pid": int(r[HB.PID]), "phase": Phase(int(r[HB.PHASE])), "beat": float(r[HB.BEAT]),
+                "done": int(r[HB.DONE]), "wip": int(r[HB.WIP]), "batch": int(r[HB.BATCH])}
+
+    def set(self, n: int, **cols) -> None:
+        r = self._a[n]
+        for k, v in cols.items():
+            r[HB[k.upper()]] = v
+        r[HB.BEAT] = time.monotonic()
+
+
+@dataclass
+class ActorContext:
+    """Everything a child gets at spawn (pickled once; tensors travel as fds)."""
+
+    actor_id: str
+    number: int
+    index: int
+    parent_pid: int
+    conn: object                       # multiprocessing Connection to the supervisor
+    rings: dict[str, Ring]
+    ledger: Ledger
+    heartbeats: Heartbeats
+    heartbeat_s: float
+    num_threads: int
+    run_dir: str
+    in_ring: Optional[str] = None
+    out_ring: Optional[str] = None
+    from_state: State = State.PLANNED
+    to_state: State = State.COMMITTED
+    args: dict = field(default_factory=dict)
+    shared: dict = field(default_factory=dict)   # extra supervisor-owned tensors by name
+
+
+class Actor:
+    """Subclass and override ``work`` (and ``attach``/``drain`` when needed)."""
+
+    def __init__(self, ctx: ActorContext):
+        self.ctx = ctx
+        self.ledger = ctx.ledger
+        self.in_ring = ctx.rings[ctx.in_ring] if ctx.in_ring else None
+        self.out_ring = ctx.rings[ctx.out_ring] if ctx.out_ring else None
+
+    def attach(self) -> None:
+        """Load what the actor needs (models, files); shared buffers are already mapped."""
+
+    def work(self, w: Work) -> None:
+        """Fill ``out_ring.slot(w.out_slot)`` from the input; return when the payload is
+        complete (CUDA writers synchronize first). The base commits the ledger after."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Flush before an orderly exit."""
+
+    def beat(self) -> None:
+        """Progress inside a long ``work``: keeps the hang detector off."""
+        hb = self.ctx.heartbeats
+        hb.set(self.ctx.number, wip=hb._a[self.ctx.number, HB.WIP] + 1)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the supervisor dies. The signal is tied to the thread
+    that forked us (the supervisor spawns from its main thread); the getppid check
+    closes the race of a parent that died before prctl ran."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def actor_main(cls: type, ctx: ActorContext) -> None:
+    """Process entry point (spawn target). Never returns normally: exits 0 on Stop,
+    1 after reporting an error."""
+    _die_with_parent(ctx.parent_pid)
+    # Ctrl-C reaches the whole process group; only the supervisor decides what it means.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(ctx.num_threads)
+    hb, n, conn = ctx.heartbeats, ctx.number, ctx.conn
+    hb.reset(n, os.getpid())
+    actor = None
+    try:
+        hb.set(n, phase=Phase.ATTACHING)
+        actor = cls(ctx)
+        actor.attach()
+        hb.set(n, phase=Phase.IDLE)
+        conn.send(Ready(ctx.actor_id, os.getpid()))
+        done = 0
+        while True:
+            if not conn.poll(ctx.heartbeat_s):
+                hb.set(n)
+                continue
+            msg = conn.recv()
+            if isinstance(msg, Stop):
+                raise Shutdown(msg.reason)
+            if not isinstance(msg, Work):
+                raise TypeError(f"unexpected message {msg!r}")
+            hb.set(n, phase=Phase.WORKING, batch=msg.batch_id)
+            actor.work(msg)
+            ctx.ledger.commit(msg.batch_id, ctx.to_state)
+            done += 1
+            hb.set(n, phase=Phase.IDLE, batch=-1, done=done)
+            conn.send(Done(ctx.actor_id, msg.batch_id))
+    except Shutdown:
+        hb.set(n, phase=Phase.DRAINING)
+        if actor is not None:
+            actor.drain()
+        hb.set(n, phase=Phase.EXITED)
+        sys.exit(0)
+    except BaseException as e:  # the one place errors are caught in an actor process
+        err = ActorError(ctx.actor_id, type(e).__name__, str(e), traceback.format_exc())
+        try:
+            conn.send(err)
+        except OSError:
+            pass  # the supervisor is gone; the exit code still tells
+        sys.exit(1)

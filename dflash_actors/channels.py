@@ -1,0 +1,161 @@
+"""Rings of typed tensor slots in shared memory: the data plane between actors.
+
+The supervisor allocates every ring once, before it spawns anything, and hands the
+tensors to each child in its spawn arguments (torch passes one fd per storage; the
+default ``file_descriptor`` strategy unlinks the segment at creation, so nothing is
+ever named in /dev/shm and the memory goes when the last process holding it exits).
+Actors attach; they never allocate or free shared buffers, so killing any actor leaves
+every buffer intact, and a slot's bytes stay valid until the supervisor hands the slot
+to the next writer.
+
+Layout (one ring; every field is one tensor with a leading slot dimension)::
+
+    ring "batch"  (RingSpec.batch: exactly the fields of batching.BatchBuffers)
+                       slot 0          slot 1                slot S-1
+    input_ids    [S, T]        int64   |t t t . . .|  |t t t t t . .|  ...
+    position_ids [S, T]        int64   |0 1 2 . . .|  |0 1 0 1 2 . .|
+    loss_mask    [S, T]        int8
+    cu_seqlens   [S, N+1]      int32
+    sample_ids   [S, N]        int64
+
+    ring "features" (RingSpec.features: the batch fields again, so the consumer needs
+                     no batch slot, plus the hidden states)
+    ...batch fields...
+    hidden       [S, T, W]     bf16/f32   W = n_target_layers * hidden_size
+
+    T = batching.token_budget, N = batching.max_samples, S = runtime.*_slots
+
+A slot holds the batch's *shape* nowhere: n_samples/n_tokens/max_len live in the batch's
+ledger row, written by the slot's producer before it commits.
+
+Protocol (all decisions by the supervisor, which alone owns the free lists)::
+
+    supervisor                      producer stage              consumer stage
+    take free slot s of ring R
+    Work(b, in_slot, out_slot=s) -> write slot s of R
+                                    ledger[b].state = NEXT   (commit point)
+                                 <- Done(b)
+    free b's old slot; ledger[b].slot = s
+    Work(b, in_slot=s, ...)   ------------------------------>  read slot s of R ...
+                                                               ledger[b].state = NEXT
+                                 <------------------------------ Done(b)
+    free slot s of R
+
+A slot is freed only after the state that no longer needs it is recorded, and slots of
+a dead actor are reclaimed from the ledger (``dispatch``), never from what it said.
+
+Placement: CPU rings are pinned (``cudaHostRegister`` on the shared pages, in each
+process that copies to a GPU) when CUDA is present; a ring whose producer and consumer
+share a device lives on that device and travels by CUDA IPC (the supervisor allocates
+it and outlives every consumer, which is what torch's CUDA IPC requires). A writer to a
+CUDA slot synchronizes its stream before it commits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batching import BatchBuffers
+
+_DTYPES = {"int64": torch.int64, "int32": torch.int32, "int8": torch.int8,
+           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    name: str
+    shape: tuple[int, ...]
+    """Per slot; the ring adds the leading slot dimension."""
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    name: str
+    n_slots: int
+    fields: tuple[FieldSpec, ...]
+    device: str = "cpu"
+
+    @classmethod
+    def batch(cls, name: str, n_slots: int, token_budget: int, max_samples: int,
+              device: str = "cpu") -> "RingSpec":
+        return cls(name, n_slots, _batch_fields(token_budget, max_samples), device)
+
+    @classmethod
+    def features(cls, name: str, n_slots: int, token_budget: int, max_samples: int,
+                 width: int, dtype: str, device: str = "cpu") -> "RingSpec":
+        hidden = FieldSpec("hidden", (token_budget, width), dtype)
+        return cls(name, n_slots, _batch_fields(token_budget, max_samples) + (hidden,), device)
+
+    @property
+    def slot_bytes(self) -> int:
+        n = 0
+        for f in self.fields:
+            numel = 1
+            for d in f.shape:
+                numel *= d
+            n += numel * torch.empty((), dtype=_DTYPES[f.dtype]).element_size()
+        return n
+
+
+def _batch_fields(token_budget: int, max_samples: int) -> tuple[FieldSpec, ...]:
+    return (FieldSpec("input_ids", (token_budget,), "int64"),
+            FieldSpec("position_ids", (token_budget,), "int64"),
+            FieldSpec("loss_mask", (token_budget,), "int8"),
+            FieldSpec("cu_seqlens", (max_samples + 1,), "int32"),
+            FieldSpec("sample_ids", (max_samples,), "int64"))
+
+
+class Ring:
+    """One ring's tensors. Built by ``allocate`` in the supervisor; pickled to children
+    (spawn args), where it arrives already attached to the same memory."""
+
+    def __init__(self, spec: RingSpec, tensors: dict[str, torch.Tensor]):
+        self.spec = spec
+        self.tensors = tensors
+        self._pinned = False
+
+    @classmethod
+    def allocate(cls, spec: RingSpec) -> "Ring":
+        if spec.device != "cpu" and not torch.cuda.is_available():
+            raise RuntimeError(f"ring {spec.name}: device {spec.device} needs CUDA")
+        tensors = {}
+        for f in spec.fields:
+            t = torch.zeros((spec.n_slots, *f.shape), dtype=_DTYPES[f.dtype], device=spec.device)
+            # CUDA tensors are shared by IPC handle when pickled; only CPU needs share_memory_.
+            tensors[f.name] = t.share_memory_() if spec.device == "cpu" else t
+        return cls(spec, tensors)
+
+    def __getstate__(self):
+        return {"spec": self.spec, "tensors": self.tensors}
+
+    def __setstate__(self, state):
+        self.__init__(state["spec"], state["tensors"])
+
+    def slot(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self.spec.n_slots:
+            raise IndexError(f"ring {self.spec.name}: slot {i} of {self.spec.n_slots}")
+        return {k: t[i] for k, t in self.tensors.items()}
+
+    def batch_buffers(self, i: int) -> BatchBuffers:
+        """Numpy views of a CPU slot's batch fields (what ``batching.assemble`` writes)."""
+        return BatchBuffers.from_tensors(self.slot(i))
+
+    def pin(self) -> None:
+        """Page-lock a CPU ring for fast async H2D copies from this process. Registration
+        is per process, so each actor that copies to a GPU calls it after attaching; a
+        no-op without CUDA or for CUDA rings."""
+        if self._pinned or self.spec.device != "cpu" or not torch.cuda.is_available():
+            return
+        cudart = torch.cuda.cudart()
+        for t in self.tensors.values():
+            err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            if int(getattr(err, "value", err)) != 0:
+                raise RuntimeError(f"ring {self.spec.name}: cudaHostRegister failed ({err})")
+        self._pinned = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.n_slots * self.spec.slot_bytes

@@ -1,0 +1,216 @@
+"""Moves batch ids through the stages: the supervisor's routing and recovery logic.
+
+A ``Stage`` is one transition of the ledger (``from_state -> to_state``) served by
+``count`` actors of one role, reading ``in_ring`` and writing ``out_ring``. Stages
+chain: stage i+1 consumes what stage i produces. The ``Dispatcher`` lives in the
+supervisor process only, and it alone takes and frees slots, so free lists need no
+lock and survive any actor's death.
+
+Rules, chosen so that restarts never change what a consumer sees:
+  * ready batches of a stage are dispatched lowest id first, and each stage reserves its
+    output slots in that order, so the lowest unfinished batch always holds or gets a
+    slot (no ring can fill up with later batches while an earlier one waits);
+  * an ``ordered`` stage sends batch b to actor ``b % count``, each actor in increasing
+    b (the drafter's synchronous data-parallel order); after a death the cursor goes back
+    to the lowest batch put back, so the replacement resumes the same sequence;
+  * each actor holds at most ``credit`` dispatched batches (prefetch depth);
+  * recovery (``on_death``) reads the ledger, not the dead actor's messages: see
+    ``ledger`` for settle vs put back.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .channels import RingSpec
+from .ledger import Col, Ledger, State
+from .messages import Work
+
+
+@dataclass(frozen=True)
+class Stage:
+    role: str
+    actor: type
+    """An ``actors.base.Actor`` subclass, importable by spawned children."""
+    from_state: State
+    to_state: State
+    count: int = 1
+    in_ring: Optional[str] = None
+    out_ring: Optional[str] = None
+    ordered: bool = False
+    credit: int = 2
+    args: dict = field(default_factory=dict)
+    """Keyword arguments every actor of this stage receives in ``ctx.args``."""
+
+
+class ProtocolError(RuntimeError):
+    """An actor reported something the ledger contradicts: a bug, not a fault."""
+
+
+class SlotPool:
+    """Free slots of one ring, lowest first."""
+
+    def __init__(self, n_slots: int):
+        self.n_slots = n_slots
+        self._free = list(range(n_slots))
+
+    def take(self) -> Optional[int]:
+        return heapq.heappop(self._free) if self._free else None
+
+    def give(self, slot: int) -> None:
+        if slot < 0 or slot >= self.n_slots or slot in self._free:
+            raise ProtocolError(f"slot {slot} freed twice or out of range")
+        heapq.heappush(self._free, slot)
+
+    @property
+    def used(self) -> int:
+        return self.n_slots - len(self._free)
+
+
+class Dispatcher:
+    def __init__(self, stages: list[Stage], rings: list[RingSpec], ledger: Ledger,
+                 members: dict[int, tuple[int, int]]):
+        """``members``: actor number -> (stage index, index within the stage)."""
+        for a, b in zip(stages, stages[1:]):
+            if a.to_state != b.from_state or a.out_ring != b.in_ring:
+                raise ValueError(f"stage {b.role} does not consume what {a.role} produces")
+        self.stages = stages
+        self.ledger = ledger
+        self.members = members
+        self.pools = {r.name: SlotPool(r.n_slots) for r in rings}
+        self._ready: list[list[int]] = [[] for _ in stages]
+        self._ready_set: list[set[int]] = [set() for _ in stages]
+        self._stage_of_state = {s.from_state: i for i, s in enumerate(stages)}
+        self._held: dict[int, list[int]] = {n: [] for n in members}
+        self._live: set[int] = set()
+        self._cursor: dict[int, int] = {}
+        self.committed: list[int] = []
+        self._n = len(ledger)
+        for b in range(self._n):
+            i = self._stage_of_state.get(ledger.state(b))
+            if i is not None:
+                self._push(i, b)
+        for n, (i, k) in members.items():
+            if stages[i].ordered:
+                self._cursor[n] = k
+                self._skip_done(n)
+
+    # -- events ---------------------------------------------------------------
+
+    def on_ready(self, n: int) -> None:
+        self._live.add(n)
+
+    def on_done(self, n: int, b: int) -> None:
+        i, _ = self.members[n]
+        if b not in self._held[n]:
+            raise ProtocolError(f"actor {n} reported batch {b}, which it does not hold")
+        if self.ledger.state(b) != self.stages[i].to_state:
+            raise ProtocolError(f"batch {b}: Done for {self.stages[i].to_state.name} but the "
+                                f"ledger says {self.ledger.state(b).name}")
+        self._settle(n, b)
+
+    def on_death(self, n: int) -> tuple[list[int], list[int]]:
+        """Recover what actor ``n`` held, from the ledger. Returns (settled, put back)."""
+        self._live.discard(n)
+        i, _ = self.members[n]
+        stage = self.stages[i]
+        owned = self.ledger.owned_by(n)
+        if sorted(owned) != sorted(self._held[n]):
+            raise ProtocolError(f"actor {n}: ledger owns {owned}, dispatcher holds {self._held[n]}")
+        settled, put_back = [], []
+        for b in owned:
+            if self.ledger.state(b) == stage.to_state:
+                self._settle(n, b)
+                settled.append(b)
+            else:
+                reserved = self.ledger.put_back(b)
+                if stage.out_ring is not None:
+                    self.pools[stage.out_ring].give(reserved)
+                self._held[n].remove(b)
+                self._push(i, b)
+                put_back.append(b)
+                if stage.ordered:
+                    self._cursor[n] = min(self._cursor[n], b)
+        return settled, put_back
+
+    def dispatch(self) -> list[tuple[int, Work]]:
+        """Everything that can be sent now, as (actor number, Work)."""
+        out: list[tuple[int, Work]] = []
+        for i, stage in enumerate(self.stages):
+            actors = sorted(n for n, (si, _) in self.members.items() if si == i and n in self._live)
+            if stage.ordered:
+                for n in actors:
+                    while (len(self._held[n]) < stage.credit and self._cursor[n] in self._ready_set[i]):
+                        w = self._send(i, n, self._cursor[n])
+                        if w is None:
+                            break
+                        out.append((n, w))
+                        self._cursor[n] += stage.count
+                        self._skip_done(n)
+            else:
+                heap = self._ready[i]
+                while heap:
+                    if heap[0] not in self._ready_set[i]:
+                        heapq.heappop(heap)  # already dispatched (lazy deletion)
+                        continue
+                    free = [n for n in actors if len(self._held[n]) < stage.credit]
+                    if not free:
+                        break
+                    n = min(free, key=lambda m: (len(self._held[m]), m))
+                    w = self._send(i, n, heap[0])
+                    if w is None:
+                        break
+                    out.append((n, w))
+        return out
+
+    # -- queries --------------------------------------------------------------
+
+    def finished(self) -> bool:
+        return len(self.committed) == self._n
+
+    def held(self, n: int) -> list[int]:
+        return list(self._held[n])
+
+    def occupancy(self) -> dict[str, dict]:
+        return {name: {"slots": p.n_slots, "used": p.used} for name, p in self.pools.items()}
+
+    # -- internals ------------------------------------------------------------
+
+    def _push(self, i: int, b: int) -> None:
+        # Ordered stages pick by cursor and need only the set; the others pop the heap.
+        if not self.stages[i].ordered:
+            heapq.heappush(self._ready[i], b)
+        self._ready_set[i].add(b)
+
+    def _send(self, i: int, n: int, b: int) -> Optional[Work]:
+        stage = self.stages[i]
+        out_slot = -1
+        if stage.out_ring is not None:
+            slot = self.pools[stage.out_ring].take()
+            if slot is None:
+                return None
+            out_slot = slot
+        self._ready_set[i].discard(b)
+        self._held[n].append(b)
+        attempt = self.ledger.assign(b, n, out_slot)
+        return Work(b, attempt, self.ledger.get(b, Col.SLOT), out_slot)
+
+    def _settle(self, n: int, b: int) -> None:
+        i, _ = self.members[n]
+        stage = self.stages[i]
+        old = self.ledger.settle(b)
+        if stage.in_ring is not None:
+            self.pools[stage.in_ring].give(old)
+        self._held[n].remove(b)
+        if i + 1 < len(self.stages):
+            self._push(i + 1, b)
+        else:
+            self.committed.append(b)
+
+    def _skip_done(self, n: int) -> None:
+        i, _ = self.members[n]
+        to = self.stages[i].to_state
+        while self._cursor[n] < self._n and self.ledger.state(self._cursor[n]) >= to:
+            self._cursor[n] += self.stages[i].count

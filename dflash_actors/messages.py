@@ -1,0 +1,86 @@
+"""Every message that crosses a pipe, as a frozen dataclass.
+
+Each actor has one duplex pipe to the supervisor and no other channel: the supervisor
+routes all work, so a killed actor takes down only its own pipe (an ``mp.Queue`` whose
+reader dies holding the queue's lock would block every other reader forever). Messages
+carry only ints and short strings (a few hundred bytes pickled); tensors stay in the
+shared slots of ``channels`` and batch state stays in the ``ledger``.
+
+Supervisor -> actor::
+
+    Work(batch_id, attempt, in_slot, out_slot)   do one transition of batch_id
+    Stop(reason)                                 finish the Work already sent, then exit 0
+
+Actor -> supervisor::
+
+    Ready(actor_id, pid)                         attached, entering the work loop
+    Done(actor_id, batch_id)                     the ledger already records the new state
+    ActorError(actor_id, exc_type, message, traceback_text)   sent once, then exit 1
+
+Liveness does not travel here: each actor writes its heartbeat and progress counters
+into a shared table (``actors.base.Heartbeats``) that the supervisor reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Work:
+    """Move ``batch_id`` one stage on: read ``in_slot`` (-1: the stage has no input
+    ring), write ``out_slot`` (-1: no output ring). ``attempt`` counts dispatches of
+    this transition (1 = first), so an actor can tell a retry from fresh work."""
+
+    batch_id: int
+    attempt: int
+    in_slot: int
+    out_slot: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Orderly end: the actor finishes the Work queued before this message, runs its
+    ``drain`` hook, then exits 0."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The actor attached to every shared buffer and waits for Work."""
+
+    actor_id: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """``batch_id`` reached the actor's output state; the ledger row already says so
+    (the ledger, not this message, is the commit point: see ``ledger``)."""
+
+    actor_id: str
+    batch_id: int
+
+
+@dataclass(frozen=True)
+class ActorError:
+    """An exception escaped the actor; it exits non-zero right after sending this."""
+
+    actor_id: str
+    exc_type: str
+    message: str
+    traceback_text: str
+
+    def one_line(self) -> str:
+        """``Type: message (file:line in func)``, the innermost frame of the traceback."""
+        where = ""
+        for line in reversed(self.traceback_text.splitlines()):
+            s = line.strip()
+            if s.startswith('File "'):
+                path, _, rest = s[6:].partition('", line ')
+                lineno, _, func = rest.partition(", in ")
+                where = f" ({path.rsplit('/', 1)[-1]}:{lineno} in {func})"
+                break
+        msg = self.message.splitlines()[0] if self.message else ""
+        return f"{self.exc_type}: {msg}{where}"

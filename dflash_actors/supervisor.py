@@ -1,0 +1,414 @@
+"""The supervisor: owns every shared buffer, spawns the actors, watches, restarts.
+
+State machine of the job::
+
+    RUNNING --all batches committed--> STOPPING("finished") --> DONE
+    RUNNING --SIGINT/SIGTERM---------> STOPPING(signal)      --> STOPPED
+    RUNNING --restart intensity------> STOPPING(error)       --> FAILED
+
+STOPPING: no new Work; ``on_stop`` hook (the trainer checkpoints there); ``Stop`` to every
+actor, which finishes the Work already queued; join until ``grace_s``; SIGTERM; SIGKILL.
+
+Restart policy, per actor, Erlang's ``one_for_one``: a dead actor is restarted alone,
+after the dispatcher has recovered its in-flight batches from the ledger. More than
+``max_restarts`` restarts within ``restart_window_s`` for one actor fails the job with
+one line naming the actor, its exit cause and its last traceback. An actor counts as
+dead when its process exits (sentinel), and as hung, then killed, when its heartbeat
+is older than ``hang_timeout_s`` (before Ready: when it is not ready ``start_timeout_s``
+after spawn).
+
+The loop blocks in ``multiprocessing.connection.wait`` on process sentinels, actor pipes
+and a signal wakeup socket, with a timeout equal to the next deadline (status write or
+hang check). Every decision goes to ``<run_dir>/events.log`` (one JSON object a line);
+``<run_dir>/status.json`` is rewritten atomically about once a second. The supervisor
+must run in the main thread: signal handlers live there, and the children's
+parent-death signal fires when the spawning thread exits.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.multiprocessing as tmp
+
+from .actors.base import ActorContext, Heartbeats, Phase, actor_main
+from .channels import Ring, RingSpec
+from .config import RuntimeConfig
+from .dispatch import Dispatcher, Stage
+from .ledger import Ledger
+from .messages import ActorError, Done, Ready, Stop
+
+STATUS_PERIOD_S = 1.0
+TERM_WAIT_S = 2.0       # after SIGTERM, before SIGKILL
+
+
+class JobState(enum.Enum):
+    RUNNING = "running"
+    STOPPING = "stopping"
+    DONE = "done"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass
+class JobResult:
+    state: JobState
+    reason: str
+    """``finished``, the signal name, or the one-line error."""
+    traceback: Optional[str] = None
+    committed: list[int] = field(default_factory=list)
+    """Batch ids in the order the last stage committed them."""
+    restarts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return {JobState.DONE: 0, JobState.STOPPED: 130}.get(self.state, 1)
+
+
+@dataclass
+class _Child:
+    actor_id: str
+    number: int
+    stage: Stage
+    index: int
+    proc: Optional[object] = None
+    conn: Optional[object] = None
+    spawned_at: float = 0.0
+    ready: bool = False
+    hung: Optional[str] = None
+    restarts: int = 0
+    recent: collections.deque = field(default_factory=collections.deque)
+    last_error: Optional[ActorError] = None
+    """Kept across restarts, for the give-up line; ``error`` is this incarnation's."""
+    error: Optional[ActorError] = None
+
+
+class Supervisor:
+    def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec],
+                 n_batches: int, shared: Optional[dict[str, torch.Tensor]] = None,
+                 num_threads: int = 1, on_stop: Optional[Callable[[str], None]] = None):
+        """Allocates every shared buffer (rings, ledger, heartbeats); spawns nothing yet.
+        ``shared``: extra tensors every actor sees as ``ctx.shared`` (the caller made them
+        shared). ``on_stop(reason)`` runs once when stopping begins."""
+        self.cfg = runtime
+        self.run_dir = Path(runtime.run_dir)
+        self.rings = {spec.name: Ring.allocate(spec) for spec in rings}
+        self.ledger = Ledger.allocate(n_batches)
+        self.shared = shared or {}
+        self.num_threads = num_threads
+        self.on_stop = on_stop
+        self.children: list[_Child] = []
+        for stage in stages:
+            for k in range(stage.count):
+                self.children.append(_Child(f"{stage.role}.{k}", len(self.children), stage, k))
+        self.heartbeats = Heartbeats.allocate(len(self.children))
+        self.dispatcher = Dispatcher(stages, rings, self.ledger,
+                                     {c.number: (stages.index(c.stage), c.index) for c in self.children})
+        self.state = JobState.RUNNING
+        self._mp = tmp.get_context("spawn")
+        self._stop_signal: Optional[str] = None
+        self._events = None
+
+    # -- public ----------------------------------------------------------------
+
+    def run(self) -> JobResult:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._events = open(self.run_dir / "events.log", "a", buffering=1)
+        restore = self._install_signals()
+        result = None
+        try:
+            self._log("start", reason="job begins", actors=[c.actor_id for c in self.children],
+                      batches=len(self.ledger))
+            for c in self.children:
+                self._spawn(c, "initial start")
+            result = self._loop()
+        except BaseException as e:
+            self._log("abort", reason=f"supervisor error: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self._stop_children(result.reason if result else "supervisor error")
+            restore()
+            if result is not None:
+                self.state = result.state
+                self._log("end", state=result.state.value, reason=result.reason, restarts=result.restarts)
+            self._write_status()
+            self._events.close()
+        return result
+
+    def request_stop(self, reason: str) -> None:
+        """What SIGINT/SIGTERM do; callable from a signal handler or the main thread."""
+        self._stop_signal = reason
+
+    # -- the loop --------------------------------------------------------------
+
+    def _loop(self) -> JobResult:
+        next_status = 0.0
+        while True:
+            now = time.monotonic()
+            if self._stop_signal and self.state is JobState.RUNNING:
+                return self._stopping(JobResult(JobState.STOPPED, self._stop_signal))
+            if self.dispatcher.finished():
+                return self._stopping(JobResult(JobState.DONE, "finished"))
+            if now >= next_status:
+                self._write_status()
+                next_status = now + STATUS_PERIOD_S
+            self._check_hangs(now)
+            failure = None
+            timeout = max(0.0, min(next_status, self._next_hang_deadline()) - time.monotonic())
+            ready = wait(self._waitables(), timeout)
+            if self._wake_r in ready:
+                self._drain_wakeup()
+            # Messages first: a Done or ActorError sent just before death must count.
+            for c in self.children:
+                if c.conn is not None and c.conn in ready:
+                    self._read(c)
+            for c in self.children:
+                if c.proc is not None and c.proc.sentinel in ready:
+                    failure = failure or self._on_exit(c)
+            if failure:
+                return self._stopping(failure)
+            for n, w in self.dispatcher.dispatch():
+                self._send(self.children[n], w)
+
+    def _stopping(self, result: JobResult) -> JobResult:
+        self.state = JobState.STOPPING
+        self._log("stopping", reason=result.reason)
+        if self.on_stop is not None:
+            self.on_stop(result.reason)
+        result.committed = list(self.dispatcher.committed)
+        result.restarts = {c.actor_id: c.restarts for c in self.children}
+        return result
+
+    # -- children --------------------------------------------------------------
+
+    def _spawn(self, c: _Child, reason: str) -> None:
+        parent_conn, child_conn = self._mp.Pipe(duplex=True)
+        s = c.stage
+        ctx = ActorContext(
+            actor_id=c.actor_id, number=c.number, index=c.index, parent_pid=os.getpid(),
+            conn=child_conn, rings=self.rings, ledger=self.ledger, heartbeats=self.heartbeats,
+            heartbeat_s=self.cfg.heartbeat_s, num_threads=self.num_threads, run_dir=str(self.run_dir),
+            in_ring=s.in_ring, out_ring=s.out_ring, from_state=s.from_state, to_state=s.to_state,
+            args=dict(s.args), shared=self.shared)
+        proc = self._mp.Process(target=actor_main, args=(s.actor, ctx), name=c.actor_id, daemon=True)
+        proc.start()
+        child_conn.close()
+        c.proc, c.conn, c.ready, c.hung, c.error = proc, parent_conn, False, None, None
+        c.spawned_at = time.monotonic()
+        self._log("spawn", actor=c.actor_id, pid=proc.pid, reason=reason)
+
+    def _read(self, c: _Child) -> None:
+        while True:
+            try:
+                if not c.conn.poll():
+                    return
+                msg = c.conn.recv()
+            except (EOFError, OSError):
+                return  # the process is gone; its sentinel says how
+            if isinstance(msg, Done):
+                self.dispatcher.on_done(c.number, msg.batch_id)
+            elif isinstance(msg, Ready):
+                c.ready = True
+                self.dispatcher.on_ready(c.number)
+                self._log("ready", actor=c.actor_id, pid=msg.pid,
+                          startup_s=round(time.monotonic() - c.spawned_at, 3))
+            elif isinstance(msg, ActorError):
+                c.last_error = c.error = msg
+                self._log("actor_error", actor=c.actor_id, reason=msg.one_line(),
+                          traceback=msg.traceback_text)
+            else:
+                raise TypeError(f"{c.actor_id} sent {msg!r}")
+
+    def _on_exit(self, c: _Child) -> Optional[JobResult]:
+        """A child's process ended while running: recover, then restart or give up."""
+        self._read(c)
+        c.proc.join()
+        cause = self._exit_cause(c)
+        c.conn.close()
+        c.proc, c.conn = None, None
+        settled, put_back = self.dispatcher.on_death(c.number)
+        self._log("died", actor=c.actor_id, reason=cause, settled=settled, put_back=put_back)
+        now = time.monotonic()
+        c.recent.append(now)
+        while c.recent and now - c.recent[0] > self.cfg.restart_window_s:
+            c.recent.popleft()
+        if len(c.recent) > self.cfg.max_restarts:
+            line = (f"{c.actor_id} died {len(c.recent)} times within {self.cfg.restart_window_s:g}s "
+                    f"(max_restarts={self.cfg.max_restarts}); last exit: {cause}")
+            if c.last_error is not None and c.last_error.one_line() not in cause:
+                line += f"; last traceback: {c.last_error.one_line()}"
+            self._log("give_up", actor=c.actor_id, reason=line)
+            return JobResult(JobState.FAILED, line,
+                             traceback=c.last_error.traceback_text if c.last_error else None)
+        c.restarts += 1
+        self._spawn(c, f"one_for_one restart after: {cause}")
+        return None
+
+    def _exit_cause(self, c: _Child) -> str:
+        code = c.proc.exitcode
+        if c.hung:
+            return c.hung
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        if c.error is not None:
+            return c.error.one_line()
+        return f"exit code {code}"
+
+    def _check_hangs(self, now: float) -> None:
+        for c in self.children:
+            if c.proc is None or c.hung:
+                continue
+            reason = self._hang_reason(c, now)
+            if reason:
+                c.hung = f"hung: {reason}; killed"
+                self._log("hang", actor=c.actor_id, pid=c.proc.pid, reason=reason)
+                c.proc.kill()   # SIGKILL works on a stopped process too; the sentinel follows
+
+    def _hang_reason(self, c: _Child, now: float) -> Optional[str]:
+        if not c.ready:
+            if now - c.spawned_at > self.cfg.start_timeout_s:
+                return f"not ready {now - c.spawned_at:.1f}s after spawn (start_timeout_s={self.cfg.start_timeout_s:g})"
+            return None
+        age = now - self.heartbeats.row(c.number)["beat"]
+        if age > self.cfg.hang_timeout_s:
+            return f"no heartbeat for {age:.1f}s (hang_timeout_s={self.cfg.hang_timeout_s:g})"
+        return None
+
+    def _next_hang_deadline(self) -> float:
+        deadlines = []
+        for c in self.children:
+            if c.proc is None or c.hung:
+                continue
+            if c.ready:
+                deadlines.append(self.heartbeats.row(c.number)["beat"] + self.cfg.hang_timeout_s)
+            else:
+                deadlines.append(c.spawned_at + self.cfg.start_timeout_s)
+        # A beat may have moved on since we read it; the check itself rereads.
+        return min(deadlines, default=float("inf")) + 0.01
+
+    def _send(self, c: _Child, msg) -> None:
+        try:
+            c.conn.send(msg)
+        except OSError:
+            pass  # it died after we looked; its sentinel brings the recovery
+
+    def _stop_children(self, reason: str) -> None:
+        """Stop, join until grace_s, SIGTERM, SIGKILL. Done messages that arrive while
+        the actors finish are still settled, so the ledger ends consistent."""
+        live = [c for c in self.children if c.proc is not None]
+        for c in live:
+            self._send(c, Stop(reason))
+        deadline = time.monotonic() + self.cfg.grace_s
+        for sig, until in ((None, deadline), (signal.SIGTERM, None), (signal.SIGKILL, None)):
+            if sig is not None:
+                for c in live:
+                    if c.proc.exitcode is None:
+                        self._log("escalate", actor=c.actor_id, reason=f"still running, sending {sig.name}")
+                        os.kill(c.proc.pid, sig)
+                until = until or time.monotonic() + TERM_WAIT_S
+            live = self._join(live, until)
+            if not live:
+                break
+        for c in self.children:
+            if c.proc is not None:
+                c.proc.join()
+                self._log("exit", actor=c.actor_id, reason=f"exit code {c.proc.exitcode}")
+                c.conn.close()
+                c.proc, c.conn = None, None
+
+    def _join(self, live: list[_Child], until: float) -> list[_Child]:
+        while live:
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            ready = wait([c.conn for c in live] + [c.proc.sentinel for c in live], left)
+            for c in live:
+                if c.conn in ready:
+                    self._read_settling(c)
+            live = [c for c in live if c.proc.exitcode is None]
+        return live
+
+    def _read_settling(self, c: _Child) -> None:
+        try:
+            self._read(c)
+        except Exception as e:   # noqa: BLE001 - shutting down; record it and carry on
+            self._log("error", actor=c.actor_id, reason=f"while stopping: {type(e).__name__}: {e}")
+
+    # -- signals ---------------------------------------------------------------
+
+    def _install_signals(self) -> Callable[[], None]:
+        self._wake_r, self._wake_w = socket.socketpair()
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: (self._wake_r.close(), self._wake_w.close())
+        self._wake_w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(self._wake_w.fileno())
+        old = {s: signal.signal(s, lambda signum, _f: self.request_stop(signal.Signals(signum).name))
+               for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def restore():
+            for s, h in old.items():
+                signal.signal(s, h)
+            signal.set_wakeup_fd(old_fd)
+            self._wake_r.close()
+            self._wake_w.close()
+        return restore
+
+    def _drain_wakeup(self) -> None:
+        self._wake_r.setblocking(False)
+        try:
+            while self._wake_r.recv(512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _waitables(self) -> list:
+        objs = [self._wake_r]
+        for c in self.children:
+            if c.proc is not None:
+                objs += [c.conn, c.proc.sentinel]
+        return objs
+
+    # -- reporting -------------------------------------------------------------
+
+    def _log(self, event: str, **fields) -> None:
+        rec = {"t": round(time.time(), 3), "mono": round(time.monotonic(), 4), "event": event, **fields}
+        self._events.write(json.dumps(rec, default=str) + "\n")
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        actors = {}
+        for c in self.children:
+            hb = self.heartbeats.row(c.number)
+            alive = c.proc is not None and c.proc.exitcode is None
+            actors[c.actor_id] = {
+                "pid": c.proc.pid if c.proc is not None else None,
+                "state": (hb["phase"].name.lower() if alive and c.ready else "starting" if alive
+                          else "exited" if self.state is not JobState.RUNNING else "dead"),
+                "restarts": c.restarts,
+                "heartbeat_age_s": round(now - hb["beat"], 3) if alive and hb["beat"] else None,
+                "progress": {"done": hb["done"], "wip": hb["wip"]},
+                "batch": hb["batch"] if hb["batch"] >= 0 else None,
+                "holds": self.dispatcher.held(c.number),
+            }
+        return {"time": round(time.time(), 3), "state": self.state.value, "supervisor_pid": os.getpid(),
+                "actors": actors, "rings": self.dispatcher.occupancy(),
+                "batches": {**self.ledger.counts(), "committed_by_sink": len(self.dispatcher.committed),
+                            "total": len(self.ledger)}}
+
+    def _write_status(self) -> None:
+        path = self.run_dir / "status.json"
+        tmp_path = path.with_suffix(".json.tmp")
+        tmp_path.write_text(json.dumps(self.status(), indent=1))
+        os.replace(tmp_path, path)
