@@ -59,6 +59,7 @@ def measure_open(path: str) -> dict:
     """Run in a fresh interpreter so RSS is not polluted by generation."""
     import pyarrow as pa
     import torch  # noqa: F401  (the actors import it anyway; keep it out of the delta)
+
     from dflash_actors.data import TokenDataset
     # pyarrow's first array call imports pandas when installed (~0.2-0.3 s, once per
     # process, independent of the data): time it apart from the open.
@@ -73,7 +74,8 @@ def measure_open(path: str) -> dict:
 
 
 def open_in_subprocess(path: Path) -> dict:
-    code = f"import json; from benchmarks.bench_data import measure_open; print(json.dumps(measure_open({str(path)!r})))"
+    code = ("import json; from benchmarks.bench_data import measure_open; "
+            f"print(json.dumps(measure_open({str(path)!r})))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -81,6 +83,7 @@ def open_in_subprocess(path: Path) -> dict:
 
 def materialize_seconds(path: Path, total_tokens: int, subset_rows: int) -> float:
     import pyarrow as pa
+
     from dflash_actors.data import _shard_paths
     shard = _shard_paths(path)[0]
     table = pa.ipc.open_stream(pa.memory_map(str(shard))).read_all().slice(0, subset_rows)

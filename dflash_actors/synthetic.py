@@ -46,6 +46,11 @@ class MarkovGrammar:
         return [out[i, :lengths[i]] + FIRST_WORD for i in range(n)]
 
 
+def _list_array(offsets: np.ndarray, values: np.ndarray, dtype) -> pa.ListArray:
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    return pa.ListArray.from_arrays(pa.array((offsets - lo).astype(np.int32)), pa.array(values[lo:hi].astype(dtype)))
+
+
 def write_token_dataset(path: str | Path, offsets: np.ndarray, input_ids: np.ndarray,
                         loss_mask: np.ndarray | None, num_shards: int = 1,
                         with_seq_len: bool = True, rows_per_batch: int = 1000) -> Path:
@@ -70,11 +75,9 @@ def write_token_dataset(path: str | Path, offsets: np.ndarray, input_ids: np.nda
             for a in range(lo, hi, rows_per_batch):
                 b = min(hi, a + rows_per_batch)
                 off = offsets[a:b + 1]
-                base = int(off[0])
-                rel = pa.array((off - base).astype(np.int32))
-                cols = {"input_ids": pa.ListArray.from_arrays(rel, pa.array(input_ids[base:int(off[-1])].astype(np.int32)))}
+                cols = {"input_ids": _list_array(off, input_ids, np.int32)}
                 if loss_mask is not None:
-                    cols["loss_mask"] = pa.ListArray.from_arrays(rel, pa.array(loss_mask[base:int(off[-1])].astype(np.int8)))
+                    cols["loss_mask"] = _list_array(off, loss_mask, np.int8)
                 if with_seq_len:
                     cols["seq_len"] = pa.array(np.diff(off).astype(np.int64))
                 batch = pa.RecordBatch.from_pydict(cols)

@@ -6,8 +6,16 @@ import time
 import pytest
 import torch
 
-from dflash_actors.checkpoint import (ResumeError, check_resumable, latest_checkpoint, list_checkpoints,
-                                      load_trainer_state, math_changes, remove_partial, save_checkpoint)
+from dflash_actors.checkpoint import (
+    ResumeError,
+    check_resumable,
+    latest_checkpoint,
+    list_checkpoints,
+    load_trainer_state,
+    math_changes,
+    remove_partial,
+    save_checkpoint,
+)
 from dflash_actors.config import Config, load_config
 
 
