@@ -145,7 +145,7 @@ class ToySink(_Toy):
 def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budget: int = 256,
             max_samples: int = 8, width: int = 24, work_s: float = 0.0,
             fail_on_start: str | None = None, n_targets: int = 1, n_drafters: int = 1,
-            model: str | None = None) -> Supervisor:
+            model: str | None = None, on_stop=None) -> Supervisor:
     """A supervisor over loader -> [target ->] drafter with toy actors. ``stages`` is 2
     (loader -> drafter over the batch ring) or 3 (with targets and a feature ring)."""
     if stages not in (2, 3):
@@ -172,7 +172,7 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
         plan.append(Stage("drafter", ToySink, State.LOADED, State.COMMITTED, count=n_drafters,
                           in_ring="batch", ordered=True, args=args("drafter")))
     results = torch.full((n_batches,), -1, dtype=torch.int64).share_memory_()
-    return Supervisor(runtime, plan, rings, n_batches, shared={"results": results})
+    return Supervisor(runtime, plan, rings, n_batches, shared={"results": results}, on_stop=on_stop)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,117 @@
+"""The runtime with toy actors in real processes: tensors through the rings, chains,
+status file, events log, graceful stop."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from dflash_actors.actors.toy import toy_job
+from dflash_actors.supervisor import JobState
+from runtime_helpers import assert_exactly_once, events, runtime
+
+
+def test_producer_consumer_moves_real_tensors_in_order(tmp_path):
+    sup = toy_job(runtime(tmp_path, batch_slots=3), n_batches=40, stages=2)
+    result = sup.run()
+    assert result.state is JobState.DONE and result.exit_code == 0
+    assert result.committed == list(range(40))       # one ordered consumer: exact order
+    assert_exactly_once(sup, result, 40)
+    kinds = [e["event"] for e in events(tmp_path / "run")]
+    assert kinds.count("spawn") == 2 and kinds.count("ready") == 2 and kinds[-1] == "end"
+    assert "died" not in kinds
+
+
+def test_three_stage_chain_with_parallel_targets_and_drafters(tmp_path):
+    sup = toy_job(runtime(tmp_path, batch_slots=4, feature_slots=3), n_batches=60, stages=3,
+                  n_targets=2, n_drafters=2)
+    result = sup.run()
+    assert result.state is JobState.DONE
+    assert_exactly_once(sup, result, 60)
+    for j in range(2):   # drafter j gets b % 2 == j, in increasing b
+        assert [b for b in result.committed if b % 2 == j] == list(range(j, 60, 2))
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert set(status["actors"]) == {"loader.0", "target.0", "target.1", "drafter.0", "drafter.1"}
+    assert status["batches"]["committed"] == 60 and status["state"] == "done"
+    assert sum(a["progress"]["done"] for k, a in status["actors"].items() if k.startswith("target")) == 60
+
+
+def test_status_file_shows_live_pids_and_ring_occupancy(tmp_path):
+    sup = toy_job(runtime(tmp_path), n_batches=400, stages=3, work_s=0.01)
+    seen = {}
+
+    def watch():
+        path = tmp_path / "run" / "status.json"
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not sup.dispatcher.finished():
+            if path.exists():
+                st = json.loads(path.read_text())
+                if all(a["state"] in ("idle", "working") for a in st["actors"].values()):
+                    seen.update(st)
+                    seen["children"] = {p.pid for p in psutil.Process().children()}
+                    sup.request_stop("test done")
+                    return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    result = sup.run()
+    t.join()
+    assert seen, "status.json never showed every actor up"
+    assert result.state is JobState.STOPPED
+    for actor_id, a in seen["actors"].items():
+        assert a["pid"] in seen["children"]
+        assert a["restarts"] == 0 and a["heartbeat_age_s"] is not None and a["heartbeat_age_s"] < 5
+        assert set(a) >= {"pid", "state", "restarts", "heartbeat_age_s", "progress", "batch"}
+    assert set(seen["rings"]) == {"batch", "features"}
+    assert seen["rings"]["batch"]["slots"] == 4
+    pids = {e["actor"]: e["pid"] for e in events(tmp_path / "run", "spawn")}
+    assert {k: a["pid"] for k, a in seen["actors"].items()} == pids
+
+
+def test_sigterm_drains_in_flight_work_and_calls_the_stop_hook(tmp_path):
+    stops = []
+    sup = toy_job(runtime(tmp_path), n_batches=10_000, stages=3, work_s=0.01, on_stop=stops.append)
+
+    def term_after_progress():
+        end = time.monotonic() + 60
+        while len(sup.dispatcher.committed) < 20 and time.monotonic() < end:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=term_after_progress, daemon=True).start()
+    result = sup.run()
+    assert result.state is JobState.STOPPED and result.reason == "SIGTERM" and result.exit_code != 0
+    assert stops == ["SIGTERM"]
+    assert 20 <= len(result.committed) < 10_000
+    # Every actor finished the Work it had been sent and exited 0 on Stop: nothing in flight.
+    assert (sup.ledger.table[:, 3] == -1).all()
+    assert [e["reason"] for e in events(tmp_path / "run", "exit")] == ["exit code 0"] * 3
+    assert not events(tmp_path / "run", "escalate")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
+def test_stop_escalates_to_sigkill_for_an_actor_that_cannot_stop(tmp_path):
+    sup = toy_job(runtime(tmp_path, grace_s=1.0), n_batches=10_000, stages=3, work_s=0.01)
+
+    def freeze_then_stop():
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            c = sup.children[1]
+            if all(x.ready for x in sup.children) and c.proc is not None:
+                os.kill(c.proc.pid, signal.SIGSTOP)
+                sup.request_stop("test stop")
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=freeze_then_stop, daemon=True).start()
+    t0 = time.monotonic()
+    result = sup.run()
+    assert result.state is JobState.STOPPED
+    esc = events(tmp_path / "run", "escalate")
+    assert [(e["actor"], e["reason"].split()[-1]) for e in esc] == [("target.0", "SIGTERM"), ("target.0", "SIGKILL")]
+    assert time.monotonic() - t0 < 60

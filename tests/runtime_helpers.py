@@ -1,0 +1,87 @@
+"""Helpers for the runtime tests: configs, event logs, and a thread that watches the
+live heartbeat table to strike (kill -9, SIGSTOP) actors while they hold a batch."""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from dflash_actors.actors.base import Phase
+from dflash_actors.actors.toy import checksum
+from dflash_actors.config import config_from_dict
+from dflash_actors.ledger import Col, State
+
+
+def runtime(tmp_path, **kw):
+    raw = {"run_dir": str(tmp_path / "run"), "heartbeat_s": 0.2, "hang_timeout_s": 60.0,
+           "start_timeout_s": 120.0, "grace_s": 10.0, **kw}
+    return config_from_dict({"runtime": raw}).runtime
+
+
+def events(run_dir, kind=None) -> list[dict]:
+    lines = (Path(run_dir) / "events.log").read_text().splitlines()
+    evs = [json.loads(x) for x in lines]
+    return [e for e in evs if kind is None or e["event"] == kind]
+
+
+def assert_exactly_once(sup, result, n, token_budget=256, max_samples=8):
+    """Every batch committed once, with its payload intact end to end."""
+    assert sorted(result.committed) == list(range(n)), "a batch is missing or repeated"
+    assert (sup.ledger.table[:, Col.STATE] == State.COMMITTED).all()
+    assert (sup.ledger.table[:, Col.OWNER] == -1).all()
+    got = sup.shared["results"].tolist()
+    bad = [b for b in range(n) if got[b] != checksum(b, token_budget, max_samples)]
+    assert not bad, f"payload wrong for batches {bad[:10]}"
+    assert all(r["used"] == 0 for r in sup.dispatcher.occupancy().values()), "a slot leaked"
+
+
+class Striker(threading.Thread):
+    """Sends ``sig`` to each actor id in ``plan`` in turn, while it is working on a
+    batch, then waits for its replacement to be ready before the next strike."""
+
+    def __init__(self, sup, plan, sig=signal.SIGKILL, wait_replacement=True, timeout=90.0):
+        super().__init__(daemon=True)
+        self.sup, self.plan, self.sig = sup, plan, sig
+        self.wait_replacement, self.timeout = wait_replacement, timeout
+        self.strikes: list[dict] = []   # actor, pid, batch, mono
+        self.error = None
+
+    def _row(self, actor_id):
+        c = next(c for c in self.sup.children if c.actor_id == actor_id)
+        return c, self.sup.heartbeats.row(c.number)
+
+    def _until(self, cond):
+        end = time.monotonic() + self.timeout
+        while time.monotonic() < end:
+            if self.sup.dispatcher.finished():
+                return None
+            r = cond()
+            if r:
+                return r
+            time.sleep(0.002)
+        raise TimeoutError("striker waited too long")
+
+    def run(self):
+        try:
+            for actor_id in self.plan:
+                def working():
+                    c, hb = self._row(actor_id)
+                    proc = c.proc
+                    if proc is not None and c.ready and hb["pid"] == proc.pid and hb["phase"] == Phase.WORKING:
+                        return hb
+                hb = self._until(working)
+                if hb is None:
+                    return
+                os.kill(hb["pid"], self.sig)
+                self.strikes.append({"actor": actor_id, "pid": hb["pid"], "batch": hb["batch"],
+                                     "mono": time.monotonic()})
+                if self.wait_replacement:
+                    def replaced():
+                        c, row = self._row(actor_id)
+                        return c.ready and row["pid"] not in (0, hb["pid"])
+                    if self._until(replaced) is None:
+                        return
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = e
