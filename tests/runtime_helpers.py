@@ -13,6 +13,8 @@ from dflash_actors.actors.toy import checksum
 from dflash_actors.config import config_from_dict
 from dflash_actors.ledger import Col, State
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def runtime(tmp_path, **kw):
     raw = {"run_dir": str(tmp_path / "run"), "heartbeat_s": 0.2, "hang_timeout_s": 60.0,

@@ -1,0 +1,37 @@
+"""SIGSTOP: an actor alive but silent is detected within hang_timeout_s and replaced."""
+
+import signal
+
+from dflash_actors.actors.toy import toy_job
+from dflash_actors.supervisor import JobState
+from runtime_helpers import Striker, assert_exactly_once, events, runtime
+
+HANG_S = 4.0
+
+
+def test_sigstopped_target_is_killed_and_replaced(tmp_path):
+    sup = toy_job(runtime(tmp_path, hang_timeout_s=HANG_S), n_batches=150, stages=3, work_s=0.02)
+    striker = Striker(sup, ["target.0"], sig=signal.SIGSTOP)
+    striker.start()
+    result = sup.run()
+    striker.join(5)
+    assert striker.error is None, striker.error
+    assert len(striker.strikes) == 1
+    assert result.state is JobState.DONE
+    assert_exactly_once(sup, result, 150)
+    hangs = events(tmp_path / "run", "hang")
+    assert [h["actor"] for h in hangs] == ["target.0"], "a healthy actor was called hung, or none was"
+    waited = hangs[0]["mono"] - striker.strikes[0]["mono"]
+    # Not before the timeout, and within it plus scheduling slack on a loaded machine.
+    assert HANG_S - 0.5 <= waited <= HANG_S + 3.0, waited
+    died = events(tmp_path / "run", "died")
+    assert len(died) == 1 and died[0]["reason"].startswith("hung: no heartbeat")
+    assert result.restarts["target.0"] == 1
+
+
+def test_slow_step_that_beats_is_not_a_hang(tmp_path):
+    # Each item takes longer than hang_timeout_s, but the toy actors beat while working.
+    sup = toy_job(runtime(tmp_path, hang_timeout_s=1.0), n_batches=3, stages=2, work_s=1.5)
+    result = sup.run()
+    assert result.state is JobState.DONE
+    assert not events(tmp_path / "run", "hang")

@@ -1,0 +1,51 @@
+"""kill -9 of the supervisor: the parent-death signal takes every actor with it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from runtime_helpers import ROOT
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_children_die_with_a_killed_supervisor(tmp_path):
+    run_dir = tmp_path / "run"
+    sup = subprocess.Popen([sys.executable, "-m", "dflash_actors.actors.toy", "--run-dir", str(run_dir),
+                            "--batches", "100", "--work-s", "30"], cwd=ROOT)
+    status, pids = run_dir / "status.json", []
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not pids:
+            if status.exists():
+                actors = json.loads(status.read_text())["actors"]
+                if all(a["state"] in ("idle", "working") for a in actors.values()):
+                    pids = [a["pid"] for a in actors.values()]
+            time.sleep(0.1)
+        assert len(pids) == 3, "the actors never came up"
+        # The actors, and the stdlib's resource tracker that spawn starts alongside them.
+        children = {p.pid for p in psutil.Process(sup.pid).children()}
+        assert set(pids) <= children and len(children - set(pids)) <= 1
+        pids = sorted(children)
+        # Neither a busy actor (the loader, 30 s into a batch) nor a stopped one reads its
+        # pipe, so only the parent-death signal can end them promptly.
+        os.kill(actors["drafter.0"]["pid"], signal.SIGSTOP)
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait(10)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5 and not all(_gone(p) for p in pids):
+            time.sleep(0.05)
+        assert all(_gone(p) for p in pids), "an actor outlived its supervisor"
+    finally:
+        sup.kill()
+        sup.wait()
