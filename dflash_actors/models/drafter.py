@@ -1,0 +1,182 @@
+"""The DFlash drafter, in the layout z-lab's ``DFlashDraftModel``, vLLM and SGLang load.
+
+Queries come from the noise block ``[tok[a], MASK x (B-1)]`` (embedded by the frozen
+target); keys and values from ``[context ; noise]`` where the context is
+``hidden_norm(fc(concat(target layers)))``, shared by every layer. Parameter names and
+``config.json`` fields match z-lab's checkpoints; embeddings and the LM head belong to
+the target and are never saved here.
+
+Attention takes an explicit mask (``attend``), so the loss module decides who sees
+what: a dense boolean ``[.., Q, KV]`` mask broadcast over heads for sdpa, or a flex
+``BlockMask`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+WEIGHTS = "model.safetensors"
+
+
+def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: list[int],
+                   mask_token_id: int, vocab_size: int) -> Qwen3Config:
+    """A Qwen3 config sized like the target (hidden, heads, MLP, RoPE), with DFlash fields."""
+    t = target_config
+    heads = int(t.num_attention_heads)
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
+    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e4)}
+    cfg = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=int(getattr(t, "num_key_value_heads", None) or heads), head_dim=head_dim,
+        rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
+        max_position_embeddings=int(t.max_position_embeddings), tie_word_embeddings=False,
+        attention_bias=False, use_sliding_window=False)
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}
+    cfg.block_size = block_size
+    cfg.num_target_layers = int(t.num_hidden_layers)
+    cfg.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids),
+                         "block_size": block_size}
+    return cfg
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope, attend):
+        """x ``[N, Q, H]`` noise, ctx ``[N, C, H]`` context; rope covers the C+Q key positions."""
+        n, q_len, _ = x.shape
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(n, q_len, self.heads, d)).transpose(1, 2)
+        kv_in = torch.cat([ctx, x], dim=1)
+        k = self.k_norm(self.k_proj(kv_in).view(n, -1, self.kv_heads, d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(n, -1, self.kv_heads, d).transpose(1, 2)
+        cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+        q = _rope(q, cos[:, :, -q_len:], sin[:, :, -q_len:])
+        k = _rope(k, cos, sin)
+        out = attend(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope, attend):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def sdpa_dense(mask: torch.Tensor):
+    """An ``attend`` for sdpa with a boolean mask ``[N or 1, 1, Q, KV]`` (True = visible)."""
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return attend
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        dc = config.dflash_config
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(dc["mask_token_id"])
+        self.target_layer_ids = list(dc["target_layer_ids"])
+        h = config.hidden_size
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    def init_weights(self, seed: int) -> "DFlashDrafter":
+        """Normal(0, initializer_range) linears and unit norms, from ``seed`` alone."""
+        g = torch.Generator().manual_seed(seed)
+        std = float(self.config.initializer_range)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Concatenated target layers ``[..., k*H]`` -> drafter context ``[..., H]``."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(self, noise: torch.Tensor, ctx: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+        """noise ``[N, Q, H]`` embeddings, ctx ``[N, C, H]`` (from ``context``), position_ids
+        ``[N, C+Q]``; returns normed hidden states ``[N, Q, H]`` for the target's lm_head."""
+        rope = self.rotary_emb(noise, position_ids)
+        x = noise
+        for layer in self.layers:
+            x = layer(x, ctx, rope, attend)
+        return self.norm(x)
+
+    # -- HF directory ------------------------------------------------------------
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        d = self.config.to_dict()
+        d["architectures"] = ["DFlashDraftModel"]
+        (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
+                 if not k.startswith("rotary_emb.")}
+        save_file(state, str(path / WEIGHTS), metadata={"format": "pt"})
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> "DFlashDrafter":
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
+            raise ValueError(f"{path}: not a drafter directory (needs config.json and {WEIGHTS})")
+        d = json.loads((path / "config.json").read_text())
+        extra = {k: d.pop(k) for k in ("block_size", "num_target_layers", "dflash_config", "auto_map") if k in d}
+        cfg = Qwen3Config.from_dict(d)
+        for k, v in extra.items():
+            setattr(cfg, k, v)
+        model = cls(cfg)
+        state = load_file(str(path / WEIGHTS))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("rotary_emb.")]
+        if missing or unexpected:
+            raise ValueError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        return model.to(device)
+
+
+def build_drafter(cfg, target) -> DFlashDrafter:
+    """A fresh drafter for ``target``, initialised from ``cfg.train.seed`` (same in every process)."""
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else target.vocab_size - 1
+    if not 0 <= mask_id < target.vocab_size:
+        raise ValueError(f"drafter.mask_token_id: {mask_id} is outside the target's vocab of {target.vocab_size}")
+    dcfg = drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
+                          mask_id, target.vocab_size)
+    return DFlashDrafter(dcfg).init_weights(cfg.train.seed).to(target.device)

@@ -1,0 +1,217 @@
+"""The frozen target LM: hidden states of a few layers for the drafter, nothing more.
+
+Any HF causal LM loads (a local directory, a GGUF file in one, or the tiny synthetic
+Qwen3 that ``ensure_target`` builds). ``TargetModel.features`` returns the selected
+layers' outputs for a packed batch, concatenated and packed again ``[T, k*H]``.
+
+Why it is built this way:
+  * Forward hooks capture the selected layers and the last one aborts the forward, so
+    later layers, the final norm and vocabulary-sized logits are never computed.
+  * The batch runs right-padded ``[B, max_len]`` with no attention mask and
+    ``use_cache=False``: under a causal mask real tokens never see the pads after them,
+    and rows cannot see each other. A packed ``[1, T]`` input with restarting position
+    ids would be isolated per sequence only in that same narrow mode (no mask, no
+    cache), and silently leaks across sequences otherwise.
+  * Layer id L means ``hidden_states[L+1]`` (z-lab's convention): the output of decoder
+    layer L. For the last layer HF's ``hidden_states[-1]`` is after the final norm, so
+    that norm is applied there too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's selection: the middle layer for one draft layer, else evenly spread over 1..n-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class _Stop(Exception):
+    """Raised by the hook on the last needed layer to skip the rest of the forward."""
+
+
+class TargetModel:
+    """A frozen HF causal LM that yields concatenated layer features."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], source: str):
+        self.model = model.eval().requires_grad_(False)
+        cfg = model.config
+        self.config = cfg
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        bad = [L for L in layer_ids if not 0 <= L < self.num_layers]
+        if bad:
+            raise ValueError(f"target layer id {bad[0]} outside [0, {self.num_layers}) for this target")
+        self.layer_ids = list(layer_ids)
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self.device = self.embed_tokens.weight.device
+        self.dtype = self.embed_tokens.weight.dtype
+        self.fingerprint = hashlib.sha256(json.dumps(
+            [source, cfg.to_dict(), self.layer_ids, str(self.dtype)], sort_keys=True, default=str
+        ).encode()).hexdigest()[:16]
+        self._decoder = model.get_decoder()
+
+    @torch.no_grad()
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Selected layers of a right-padded ``[B, L]`` batch, concatenated: ``[B, L, k*H]``."""
+        captured: dict[int, torch.Tensor] = {}
+        layers = self._decoder.layers
+        last = max(self.layer_ids)
+
+        def hook(idx):
+            def fn(_module, _inputs, output):
+                out = output[0] if isinstance(output, tuple) else output
+                if idx == self.num_layers - 1:
+                    out = self._decoder.norm(out)
+                captured[idx] = out
+                if idx == last:
+                    raise _Stop
+            return fn
+
+        handles = [layers[L].register_forward_hook(hook(L)) for L in set(self.layer_ids)]
+        try:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            self._decoder(input_ids=input_ids, position_ids=positions, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.cat([captured[L] for L in self.layer_ids], dim=-1)
+
+    def features(self, batch) -> torch.Tensor:
+        """Packed features ``[T, k*H]`` aligned with ``batch.input_ids``."""
+        batch = batch.to(self.device)
+        row, col = batch.pad_index()
+        return self.hidden(batch.padded())[row, col]
+
+    @torch.no_grad()
+    def logits_and_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next-token logits ``[B, L, V]`` and selected layers ``[B, L, k*H]`` (evaluation only)."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, output_hidden_states=True)
+        return out.logits, torch.cat([out.hidden_states[L + 1] for L in self.layer_ids], dim=-1)
+
+
+def load_target(cfg, device: str | torch.device = "cpu") -> TargetModel:
+    """The target ``cfg.target`` names (building the tiny one if needed), frozen on ``device``."""
+    device = torch.device(device)
+    path = ensure_target(cfg)
+    dtype = resolve_dtype(cfg.target.dtype, device)
+    kwargs = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except OSError as e:
+        raise ValueError(f"target.path: cannot load a causal LM from {path} ({e})") from None
+    model.to(device)
+    n = int(model.config.num_hidden_layers)
+    ids = list(cfg.drafter.target_layer_ids or build_target_layer_ids(n, cfg.drafter.num_layers))
+    return TargetModel(model, ids, source=str(path) if cfg.target.path else f"tiny:{Path(path).name}")
+
+
+# ---------------------------------------------------------------------------
+# the tiny synthetic target
+
+
+def tiny_target_config(cfg) -> Qwen3Config:
+    t, syn = cfg.target.tiny, cfg.data.synthetic
+    return Qwen3Config(
+        vocab_size=syn.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_kv_heads, head_dim=t.hidden_size // t.num_heads,
+        max_position_embeddings=max(4096, cfg.data.max_seq_len + 64), tie_word_embeddings=False)
+
+
+def ensure_target(cfg) -> Path:
+    """Path of the target directory: ``target.path``, or the tiny one built once and cached.
+
+    The tiny target is a random Qwen3 (seeded) fitted for ``target.tiny.pretrain_steps``
+    steps to the synthetic train split, so that its greedy text follows the grammar
+    instead of repeating a token. It is written to a temporary directory and renamed,
+    so concurrent builders never expose a partial one; the loser discards its copy.
+    """
+    if cfg.target.path is not None:
+        p = Path(cfg.target.path)
+        if not p.exists():
+            raise ValueError(f"target.path: not found: {p}")
+        return p
+    from dflash_actors.synthetic import ensure_synthetic_dataset
+
+    key = json.dumps([cfg.to_dict()["target"]["tiny"], cfg.to_dict()["data"]["synthetic"],
+                      cfg.data.max_seq_len, _TINY_RECIPE], sort_keys=True)
+    out = Path(cfg.data.cache_dir) / f"tiny-target-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    train_dir, _ = ensure_synthetic_dataset(cfg.data)
+    model = _pretrain_tiny(cfg, train_dir)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# Bump when the fitting procedure changes, so cached targets are rebuilt.
+_TINY_RECIPE = {"version": 1, "lr": 3e-3, "batch": 32, "seed": 0x7A46E7}
+
+
+def _pretrain_tiny(cfg, train_dir: Path) -> Qwen3ForCausalLM:
+    from dflash_actors.data import open_dataset
+
+    ds = open_dataset(cfg.data, progress=False, path=train_dir)
+    seed, lr, bs = _TINY_RECIPE["seed"], _TINY_RECIPE["lr"], _TINY_RECIPE["batch"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.train.num_threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(tiny_target_config(cfg))
+        model.config.architectures = ["Qwen3ForCausalLM"]
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        steps = cfg.target.tiny.pretrain_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / max(1, steps))
+        rng = np.random.default_rng([seed])
+        model.train()
+        for _ in range(steps):
+            ids = [ds.sample(int(i))[0] for i in rng.integers(0, len(ds), bs)]
+            top = max(len(x) for x in ids)
+            x = torch.zeros(bs, top, dtype=torch.long)
+            labels = torch.full((bs, top), -100, dtype=torch.long)
+            for r, s in enumerate(ids):
+                x[r, :len(s)] = torch.from_numpy(s)
+                labels[r, :len(s)] = torch.from_numpy(s)
+            loss = model(input_ids=x, labels=labels, use_cache=False).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+        return model.eval()
+    finally:
+        torch.set_num_threads(threads)

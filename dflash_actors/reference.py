@@ -1,0 +1,199 @@
+"""The single-process reference trainer: the oracle the actor pipeline must match bit
+for bit on CPU, and the lock-step baseline of the benchmarks.
+
+Order (M = ``topology.num_drafters``, A = ``train.grad_accum``), for each epoch e and
+each step s of it:
+  1. for drafter shard j = 0..M-1: zero the grads, then for every batch id
+     b in ``[s*A*M, (s+1)*A*M)`` with ``b % M == j``, in increasing b, add
+     ``grad(loss_b)`` into ``.grad`` by plain autograd accumulation (``shard_gradient``);
+  2. ``g = clone(g_0) + g_1 + ... + g_{M-1}`` in j order, ``g /= A*M``, clip to
+     ``train.grad_clip``, AdamW step, LR scheduler step (``reduce_and_step``).
+Batch ids are positions in ``plan_for(cfg, lengths, e)``; batches after the last full
+step of an epoch are dropped, so every step sees exactly A*M batches. The LR schedule
+spans ``total_steps`` = the sum of ``len(plan_e) // (A*M)`` over epochs. Every batch's
+loss uses the weights of the step it belongs to, and its anchors are seeded by
+``(train.seed, e, b, row)``: that is all the state the actors need to agree on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash_actors.batching import Batch, BatchBuffers, assemble, plan_for
+from dflash_actors.config import ConfigError, load_config
+from dflash_actors.data import open_dataset
+from dflash_actors.models.drafter import DFlashDrafter, build_drafter
+from dflash_actors.models.loss import BlockStats, batch_loss, decay_gamma
+from dflash_actors.models.target import load_target
+from dflash_actors.synthetic import ensure_synthetic_dataset
+
+
+def build_optimizer(params, cfg) -> torch.optim.AdamW:
+    """AdamW with torch's default betas and eps; weight decay from config (0 by default)."""
+    return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
+    """Linear warmup over ``ceil(warmup_ratio * total)`` steps, then cosine to 0."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+
+def build_scheduler(opt, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, total_steps, cfg.train.warmup_ratio))
+
+
+def batches_per_step(cfg) -> int:
+    return cfg.train.grad_accum * cfg.topology.num_drafters
+
+
+def total_steps(cfg, lengths) -> int:
+    per = batches_per_step(cfg)
+    return sum(len(plan_for(cfg, lengths, e)) // per for e in range(cfg.train.epochs))
+
+
+def step_batch_ids(cfg, step: int, shard: int) -> list[int]:
+    """Batch ids (within the epoch) that drafter ``shard`` sums at ``step``, in order."""
+    per, m = batches_per_step(cfg), cfg.topology.num_drafters
+    return [b for b in range(step * per, (step + 1) * per) if b % m == shard]
+
+
+def shard_gradient(drafter: DFlashDrafter, head, items, cfg, epoch: int) -> tuple[list[torch.Tensor], BlockStats]:
+    """One drafter shard's summed gradient over ``items`` = ``(batch_id, batch, features)``
+    in increasing batch id: zeroed grads, then ``loss_b.backward()`` for each."""
+    drafter.zero_grad(set_to_none=False)
+    gamma, total = decay_gamma(cfg), None
+    for batch_id, batch, features in items:
+        loss, stats = batch_loss(drafter, head, features, batch, num_anchors=cfg.train.num_anchors,
+                                 gamma=gamma, seed=cfg.train.seed, epoch=epoch, batch_id=batch_id)
+        loss.backward()
+        total = stats if total is None else total + stats
+    return [p.grad.clone() for p in drafter.parameters()], total
+
+
+def reduce_and_step(params: list[torch.Tensor], shard_grads: list[list[torch.Tensor]], opt, sched,
+                    cfg) -> float:
+    """Sum shard gradients in shard order, average over A*M batches, clip, step; returns
+    the pre-clip gradient norm."""
+    grads = [g.clone() for g in shard_grads[0]]
+    for shard in shard_grads[1:]:
+        for g, s in zip(grads, shard):
+            g.add_(s)
+    n = batches_per_step(cfg)
+    for p, g in zip(params, grads):
+        p.grad = g.div_(n)
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+    opt.step()
+    sched.step()
+    return float(norm)
+
+
+@dataclass
+class ReferenceResult:
+    state_dict: dict
+    losses: list[float] = field(default_factory=list)      # per step: sum(CE*w)/sum(w) over its batches
+    metrics: list[dict] = field(default_factory=list)      # per step: loss, tau, slot_acc, lr, grad_norm
+    steps: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.wall_s, 1e-9)
+
+
+def train_dataset_path(cfg) -> Path:
+    return Path(cfg.data.path) if cfg.data.path else ensure_synthetic_dataset(cfg.data)[0]
+
+
+def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = True) -> ReferenceResult:
+    """Train a drafter in the exact order the actor pipeline follows (module docstring)."""
+    torch.set_num_threads(cfg.train.num_threads)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    target = load_target(cfg, device)
+    dataset = open_dataset(cfg.data, progress=progress, path=train_dataset_path(cfg))
+    dataset.check_values(target.vocab_size, progress=progress)
+    drafter = build_drafter(cfg, target)
+    params = list(drafter.parameters())
+    n_steps = total_steps(cfg, dataset.lengths)
+    if n_steps == 0:
+        raise ConfigError(f"train: no full step fits an epoch (need {batches_per_step(cfg)} batches per step)")
+    opt = build_optimizer(params, cfg)
+    sched = build_scheduler(opt, cfg, n_steps)
+    buf = BatchBuffers.allocate(cfg.batching.token_budget, cfg.batching.max_samples)
+    result = ReferenceResult(state_dict={})
+    t0 = time.perf_counter()
+    for epoch in range(cfg.train.epochs):
+        plan = plan_for(cfg, dataset.lengths, epoch)
+        for step in range(len(plan) // batches_per_step(cfg)):
+            lr = opt.param_groups[0]["lr"]
+            shard_grads, stats = [], None
+            for j in range(cfg.topology.num_drafters):
+                items = []
+                for b in step_batch_ids(cfg, step, j):
+                    meta = assemble(dataset, plan.batch(b), buf)
+                    batch = Batch.from_buffers(buf, meta).to(device)
+                    items.append((b, batch, target.features(batch)))
+                    result.tokens += meta.n_tokens
+                grads, st = shard_gradient(drafter, target, items, cfg, epoch)
+                shard_grads.append(grads)
+                stats = st if stats is None else stats + st
+            norm = reduce_and_step(params, shard_grads, opt, sched, cfg)
+            m = stats.metrics() | {"lr": lr, "grad_norm": norm, "epoch": epoch}
+            result.losses.append(m["loss"])
+            result.metrics.append(m)
+            result.steps += 1
+            if progress and (result.steps % 10 == 0 or result.steps == n_steps):
+                print(f"step {result.steps}/{n_steps} loss {m['loss']:.4f} tau {m['tau']:.3f} "
+                      f"lr {lr:.2e} |g| {norm:.3f}", file=sys.stderr, flush=True)
+    result.wall_s = time.perf_counter() - t0
+    result.state_dict = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    if run_dir is not None:
+        out = Path(run_dir)
+        drafter.save_pretrained(out / "drafter")
+        (out / "reference.json").write_text(json.dumps(_summary(result), indent=2))
+    return result
+
+
+def _summary(r: ReferenceResult) -> dict:
+    return {"steps": r.steps, "tokens": r.tokens, "wall_s": round(r.wall_s, 3),
+            "tokens_per_s": round(r.tokens_per_s, 1), "first_loss": r.losses[0] if r.losses else None,
+            "final_loss": r.losses[-1] if r.losses else None,
+            "final_tau": r.metrics[-1]["tau"] if r.metrics else None}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_actors.reference", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--topology", default=None, metavar="N-M")
+    ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--eval", action="store_true", help="also report held-out simulated and real tau")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides, args.topology)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    result = train_reference(cfg, args.run_dir)
+    summary = _summary(result)
+    if args.eval:
+        from dflash_actors.evaluate import evaluate_drafter
+        summary["eval"] = evaluate_drafter(cfg, result.state_dict)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+import os
+
+import pytest
+import torch
+
+from conftest import ROOT
+from dflash_actors.batching import Batch
+from dflash_actors.config import load_config
+from dflash_actors.models.target import build_target_layer_ids, ensure_target, load_target
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    torch.set_num_threads(1)
+    return load_config(ROOT / "configs" / "default.yaml",
+                       [f"data.cache_dir={tmp_path_factory.getbasetemp() / 'models'}", "target.tiny.pretrain_steps=20"])
+
+
+def packed(seqs: list[list[int]]) -> Batch:
+    ids = torch.tensor(sum(seqs, []))
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
+    return Batch(ids, pos, torch.ones(len(ids), dtype=torch.int8), cu, max(len(s) for s in seqs))
+
+
+def test_layer_ids_match_published_choices():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]      # Qwen3-8B
+    assert build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]     # Qwen3.6-27B
+    assert build_target_layer_ids(4, 1) == [2]
+
+
+def test_features_are_hidden_states_of_layer_plus_one(cfg):
+    cfg2 = load_config(ROOT / "configs" / "default.yaml",
+                       [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20",
+                        "drafter.target_layer_ids=[0, 3]"])
+    t = load_target(cfg2)
+    assert t.layer_ids == [0, 3] and not any(p.requires_grad for p in t.model.parameters())
+    ids = torch.randint(2, 250, (1, 17))
+    out = t.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    want = torch.cat([out.hidden_states[1], out.hidden_states[4]], dim=-1)   # [4] is after the final norm
+    torch.testing.assert_close(t.hidden(ids), want, rtol=0, atol=1e-6)
+
+
+def test_forward_stops_after_last_needed_layer(cfg):
+    t = load_target(cfg)    # one draft layer: layer 2 of 4
+    ran = []
+    h = t.model.model.layers[3].register_forward_hook(lambda *a: ran.append(1))
+    try:
+        t.hidden(torch.randint(2, 250, (1, 9)))
+    finally:
+        h.remove()
+    assert t.layer_ids == [2] and ran == []
+
+
+def test_packed_features_match_one_at_a_time_and_do_not_leak(cfg):
+    t = load_target(cfg)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(2, 250, (n,), generator=g).tolist() for n in (13, 5, 21)]
+    both = t.features(packed(seqs))
+    assert both.shape == (39, t.hidden_size * len(t.layer_ids))
+    start = 0
+    for s in seqs:
+        alone = t.features(packed([s]))
+        torch.testing.assert_close(both[start:start + len(s)], alone, rtol=0, atol=1e-5)
+        start += len(s)
+    # Same shapes, other sequences changed: the first sequence's features stay bit-identical.
+    other = [seqs[0], [7] * 5, list(reversed(seqs[2]))]
+    assert torch.equal(t.features(packed(other))[:13], both[:13])
+    assert not torch.equal(t.features(packed(other))[13:], both[13:])
+
+
+def test_tiny_target_is_cached(cfg):
+    p = ensure_target(cfg)
+    assert (p / "config.json").is_file() and (p / "model.safetensors").is_file()
+    stamp = os.stat(p / "model.safetensors").st_mtime_ns
+    assert ensure_target(cfg) == p and os.stat(p / "model.safetensors").st_mtime_ns == stamp
+    assert not list(p.parent.glob(p.name + ".tmp*"))
+
+
+def test_missing_target_path_is_a_clear_error(cfg, tmp_path):
+    bad = load_config(ROOT / "configs" / "default.yaml", [f"target.path={tmp_path / 'nope'}"])
+    with pytest.raises(ValueError, match="target.path: not found"):
+        load_target(bad)
