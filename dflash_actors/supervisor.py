@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import torch
 import torch.multiprocessing as tmp
 
-from .actors.base import ActorContext, Heartbeats, Phase, actor_main
+from .actors.base import ActorContext, Heartbeats, actor_main
 from .channels import Ring, RingSpec
 from .config import RuntimeConfig
 from .dispatch import Dispatcher, Stage

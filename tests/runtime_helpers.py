@@ -68,7 +68,7 @@ class Striker(threading.Thread):
     def run(self):
         try:
             for actor_id in self.plan:
-                def working():
+                def working(actor_id=actor_id):
                     c, hb = self._row(actor_id)
                     proc = c.proc
                     if proc is not None and c.ready and hb["pid"] == proc.pid and hb["phase"] == Phase.WORKING:
@@ -80,9 +80,9 @@ class Striker(threading.Thread):
                 self.strikes.append({"actor": actor_id, "pid": hb["pid"], "batch": hb["batch"],
                                      "mono": time.monotonic()})
                 if self.wait_replacement:
-                    def replaced():
+                    def replaced(actor_id=actor_id, old=hb["pid"]):
                         c, row = self._row(actor_id)
-                        return c.ready and row["pid"] not in (0, hb["pid"])
+                        return c.ready and row["pid"] not in (0, old)
                     if self._until(replaced) is None:
                         return
         except Exception as e:  # noqa: BLE001 - reported by the test

@@ -26,11 +26,11 @@ import time
 import numpy as np
 import torch
 
+from ..batching import BatchMeta
 from ..channels import RingSpec
 from ..config import RuntimeConfig, config_from_dict, parse_override
 from ..dispatch import Stage
 from ..ledger import State
-from ..batching import BatchMeta
 from ..messages import Work
 from ..supervisor import Supervisor
 from .base import Actor

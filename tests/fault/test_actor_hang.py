@@ -2,9 +2,10 @@
 
 import signal
 
+from runtime_helpers import Striker, assert_exactly_once, events, runtime
+
 from dflash_actors.actors.toy import toy_job
 from dflash_actors.supervisor import JobState
-from runtime_helpers import Striker, assert_exactly_once, events, runtime
 
 HANG_S = 4.0
 

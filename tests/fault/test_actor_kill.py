@@ -3,10 +3,10 @@
 import random
 
 import pytest
+from runtime_helpers import Striker, assert_exactly_once, events, runtime
 
 from dflash_actors.actors.toy import toy_job
 from dflash_actors.supervisor import JobState
-from runtime_helpers import Striker, assert_exactly_once, events, runtime
 
 
 def _kill_run(tmp_path, plan, n, **job):

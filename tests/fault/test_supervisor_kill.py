@@ -8,7 +8,6 @@ import sys
 import time
 
 import psutil
-
 from runtime_helpers import ROOT
 
 

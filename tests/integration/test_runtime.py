@@ -8,11 +8,10 @@ import threading
 import time
 
 import psutil
-import pytest
+from runtime_helpers import assert_exactly_once, events, runtime
 
 from dflash_actors.actors.toy import toy_job
 from dflash_actors.supervisor import JobState
-from runtime_helpers import assert_exactly_once, events, runtime
 
 
 def test_producer_consumer_moves_real_tensors_in_order(tmp_path):
@@ -63,7 +62,7 @@ def test_status_file_shows_live_pids_and_ring_occupancy(tmp_path):
     t.join()
     assert seen, "status.json never showed every actor up"
     assert result.state is JobState.STOPPED
-    for actor_id, a in seen["actors"].items():
+    for a in seen["actors"].values():
         assert a["pid"] in seen["children"]
         assert a["restarts"] == 0 and a["heartbeat_age_s"] is not None and a["heartbeat_age_s"] < 5
         assert set(a) >= {"pid", "state", "restarts", "heartbeat_age_s", "progress", "batch"}

@@ -16,7 +16,8 @@ def _setup(n, batch_slots=2, feature_slots=2, targets=1, drafters=1, credit=2):
                     out_ring="features", credit=credit),
               Stage("drafter", Actor, State.FEATURED, State.COMMITTED, count=drafters, in_ring="features",
                     ordered=True, credit=credit)]
-    rings = [RingSpec.batch("batch", batch_slots, 8, 2), RingSpec.features("features", feature_slots, 8, 2, 4, "float32")]
+    rings = [RingSpec.batch("batch", batch_slots, 8, 2),
+             RingSpec.features("features", feature_slots, 8, 2, 4, "float32")]
     members, n_actor = {}, 0
     for i, s in enumerate(stages):
         for k in range(s.count):
