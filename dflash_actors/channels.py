@@ -100,6 +100,16 @@ class RingSpec:
         return n
 
 
+def placement(producer: str, consumer: str) -> str:
+    """Device of a ring between two actors: their GPU when both use the same one (CUDA
+    IPC, the bytes never leave the device), else CPU shared memory (pinned by the GPU
+    side). Different GPUs go through the host: a kernel on one GPU reading IPC memory
+    of another is not safe (pytorch #64504)."""
+    if producer == consumer and producer.startswith("cuda") and torch.cuda.is_available():
+        return producer
+    return "cpu"
+
+
 def _batch_fields(token_budget: int, max_samples: int) -> tuple[FieldSpec, ...]:
     return (FieldSpec("input_ids", (token_budget,), "int64"),
             FieldSpec("position_ids", (token_budget,), "int64"),

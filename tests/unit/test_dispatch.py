@@ -166,3 +166,11 @@ def test_batch_ring_slots_are_exactly_batch_buffers():
     assert int(ring.tensors["input_ids"][1].sum()) == 7 * 16 and int(ring.tensors["input_ids"][0].sum()) == 0
     assert ring.tensors["input_ids"].is_shared()
     assert ring.nbytes == 2 * RingSpec.batch("b", 1, 16, 3).slot_bytes
+
+
+def test_ring_placement_needs_one_shared_gpu():
+    from dflash_actors.channels import placement
+    assert placement("cpu", "cpu") == "cpu"
+    assert placement("cuda:0", "cuda:1") == "cpu"
+    import torch
+    assert placement("cuda:0", "cuda:0") == ("cuda:0" if torch.cuda.is_available() else "cpu")
