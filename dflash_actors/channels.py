@@ -100,6 +100,16 @@ class RingSpec:
         return n
 
 
+def rings_from_config(cfg, feature_width: int, feature_dtype: str,
+                      feature_device: str = "cpu") -> list[RingSpec]:
+    """The pipeline's two rings, shaped by a full ``Config``: the batch ring (CPU: the
+    loader writes it) and the feature ring (``placement`` of target and drafter)."""
+    b, r = cfg.batching, cfg.runtime
+    return [RingSpec.batch("batch", r.batch_slots, b.token_budget, b.max_samples),
+            RingSpec.features("features", r.feature_slots, b.token_budget, b.max_samples,
+                              feature_width, feature_dtype, feature_device)]
+
+
 def placement(producer: str, consumer: str) -> str:
     """Device of a ring between two actors: their GPU when both use the same one (CUDA
     IPC, the bytes never leave the device), else CPU shared memory (pinned by the GPU

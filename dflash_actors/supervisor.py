@@ -141,6 +141,9 @@ class Supervisor:
             self._stop_children(result.reason if result else "supervisor error")
             restore()
             if result is not None:
+                # After the stop: Done messages read while the actors finished count too.
+                result.committed = list(self.dispatcher.committed)
+                result.restarts = {c.actor_id: c.restarts for c in self.children}
                 self.state = result.state
                 self._log("end", state=result.state.value, reason=result.reason, restarts=result.restarts)
             self._write_status()
@@ -187,8 +190,6 @@ class Supervisor:
         self._log("stopping", reason=result.reason)
         if self.on_stop is not None:
             self.on_stop(result.reason)
-        result.committed = list(self.dispatcher.committed)
-        result.restarts = {c.actor_id: c.restarts for c in self.children}
         return result
 
     # -- children --------------------------------------------------------------

@@ -174,3 +174,15 @@ def test_ring_placement_needs_one_shared_gpu():
     assert placement("cuda:0", "cuda:1") == "cpu"
     import torch
     assert placement("cuda:0", "cuda:0") == ("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def test_rings_are_shaped_by_the_config():
+    from dflash_actors.channels import rings_from_config
+    from dflash_actors.config import config_from_dict
+    cfg = config_from_dict({"batching": {"token_budget": 4096, "max_samples": 16},
+                            "runtime": {"batch_slots": 3, "feature_slots": 5}})
+    batch, feats = rings_from_config(cfg, feature_width=3 * 576, feature_dtype="bfloat16")
+    assert (batch.n_slots, feats.n_slots) == (3, 5)
+    hidden = {f.name: f for f in feats.fields}["hidden"]
+    assert hidden.shape == (4096, 1728) and hidden.dtype == "bfloat16"
+    assert feats.slot_bytes == batch.slot_bytes + 4096 * 1728 * 2
