@@ -1,7 +1,8 @@
 """Train a DFlash drafter: ``python launch.py --topology 2-2``.
 
 Thin on purpose: parse arguments, build and check the config, hand over to the
-supervisor. Bad input exits with status 2 and one line, before any actor starts.
+pipeline. Bad input exits with status 2 and one line, before any actor starts and
+without writing to the run directory.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import argparse
 import json
 import sys
 
-from dflash_actors.config import ConfigError, load_config
-from dflash_actors.data import DatasetError
+from dflash_actors.config import load_config
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -23,32 +23,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
     ap.add_argument("--run-dir", help="where status.json, events.log and checkpoints go")
+    ap.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
     ap.add_argument("--plan-only", action="store_true",
-                    help="validate config and data, print the epoch plan, and exit")
+                    help="validate config and data, print the first epoch's plan, and exit")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"runtime.run_dir={args.run_dir}")
+    if args.run_dir and args.resume and args.run_dir != args.resume:
+        print("error: --run-dir and --resume name different directories", file=sys.stderr)
+        return 2
+    if args.run_dir or args.resume:
+        overrides.append(f"runtime.run_dir={args.resume or args.run_dir}")
     try:
         cfg = load_config(args.config, overrides, topology=args.topology)
-        from dflash_actors.preflight import preflight
-        pre = preflight(cfg)
-    except (ConfigError, DatasetError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if args.plan_only:
+            from dflash_actors.preflight import preflight
+            pre = preflight(cfg)
+            print(json.dumps({"dataset": str(pre.train_path), "samples": len(pre.dataset),
+                              "tokens": pre.dataset.num_tokens, "truncated": pre.dataset.n_truncated,
+                              "dropped": pre.dataset.n_dropped, "targets": pre.devices.targets,
+                              "drafters": pre.devices.drafters,
+                              "epoch0": pre.plan0.stats(pre.dataset.lengths, cfg.batching.token_budget)}))
+            return 0
+        from dflash_actors.pipeline import Job
+        job = Job(cfg, resume=args.resume is not None)
+    except (ValueError, OSError) as e:   # ConfigError, DatasetError, ResumeError are ValueErrors
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    stats = pre.plan0.stats(pre.dataset.lengths, cfg.batching.token_budget)
-    print(json.dumps({"dataset": str(pre.train_path), "samples": len(pre.dataset),
-                      "tokens": pre.dataset.num_tokens, "truncated": pre.dataset.n_truncated,
-                      "dropped": pre.dataset.n_dropped, "targets": pre.devices.targets,
-                      "drafters": pre.devices.drafters, "epoch0": stats}))
-    if args.plan_only:
-        return 0
-    print("error: the training pipeline is not built yet (issue #5); use --plan-only", file=sys.stderr)
-    return 1
+    return job.run().exit_code
 
 
 if __name__ == "__main__":

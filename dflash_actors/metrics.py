@@ -1,0 +1,68 @@
+"""Per-batch and per-step training metrics in shared float64 tables.
+
+A drafter writes its batch's ``BlockStats`` into row b of ``batch_stats`` before it
+commits; the optimizer folds a step's rows in exactly the reference's order (each
+drafter's batches in increasing id, then drafters in order) into row s of
+``step_stats``. Python floats are float64, so the tables hold them exactly and the
+per-step loss can be compared bit for bit with the reference trainer.
+
+    batch_stats [n_batches, 5 + 2*B]   blocks, accepted, sum(CE*w), sum(w), tokens,
+                                       slot_correct[B], slot_total[B]
+    step_stats  [n_steps, 6]           loss, tau, lr, grad_norm, tokens, done (1.0)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .models.loss import BlockStats
+
+STEP_COLS = ("loss", "tau", "lr", "grad_norm", "tokens", "done")
+
+
+def batch_table(n_batches: int, block_size: int) -> torch.Tensor:
+    return torch.zeros(n_batches, 5 + 2 * block_size, dtype=torch.float64).share_memory_()
+
+
+def step_table(n_steps: int) -> torch.Tensor:
+    return torch.zeros(n_steps, len(STEP_COLS), dtype=torch.float64).share_memory_()
+
+
+def write_batch(table: torch.Tensor, row: int, stats: BlockStats, tokens: int) -> None:
+    B = len(stats.slot_correct)
+    r = table[row]
+    r[0], r[1], r[2], r[3], r[4] = stats.blocks, stats.accepted, stats.weighted_ce, stats.weight, tokens
+    r[5:5 + B] = stats.slot_correct.double()
+    r[5 + B:5 + 2 * B] = stats.slot_total.double()
+
+
+def read_batch(table: torch.Tensor, row: int) -> tuple[BlockStats, int]:
+    r = table[row]
+    B = (len(r) - 5) // 2
+    stats = BlockStats(int(r[0]), int(r[1]), r[5:5 + B].long(), r[5 + B:5 + 2 * B].long(),
+                       float(r[2]), float(r[3]))
+    return stats, int(r[4])
+
+
+def fold_step(table: torch.Tensor, rows_by_drafter: list[list[int]]) -> tuple[BlockStats, int]:
+    """Sum a step's batch stats in the reference's order; returns (stats, tokens)."""
+    total, tokens = None, 0
+    for rows in rows_by_drafter:
+        shard = None
+        for row in rows:
+            s, t = read_batch(table, row)
+            shard = s if shard is None else shard + s
+            tokens += t
+        total = shard if total is None else total + shard
+    return total, tokens
+
+
+def write_step(table: torch.Tensor, row: int, stats: BlockStats, lr: float, grad_norm: float,
+               tokens: int) -> dict:
+    m = stats.metrics()
+    table[row] = torch.tensor([m["loss"], m["tau"], lr, grad_norm, tokens, 1.0], dtype=torch.float64)
+    return m
+
+
+def read_steps(table: torch.Tensor) -> list[dict]:
+    return [dict(zip(STEP_COLS, r.tolist())) for r in table if r[-1] == 1.0]

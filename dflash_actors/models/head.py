@@ -1,0 +1,82 @@
+"""The slice of the target a drafter process needs: embed_tokens, lm_head, config.
+
+A drafter actor must not load the whole target (27B of weights to use two matrices),
+so this reads only those tensors from the target's safetensors files. It quacks like
+``TargetModel`` where the drafter and the loss look (``config``, ``vocab_size``,
+``layer_ids``, ``device``, ``embed_tokens``, ``lm_head``). Targets whose weights are
+not safetensors (GGUF) fall back to loading the model and keeping the two modules.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig
+
+from .target import build_target_layer_ids, ensure_target, load_target, resolve_dtype
+
+EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
+HEAD_KEYS = ("lm_head.weight",)
+
+
+def _find_tensors(path: Path, keys: tuple[str, ...]) -> dict[str, Path]:
+    """Which safetensors file holds each of ``keys`` (single file or sharded index)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: path / weight_map[k] for k in keys if k in weight_map}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        return {}
+    with safe_open(str(single), "pt") as f:
+        present = set(f.keys())
+    return {k: single for k in keys if k in present}
+
+
+def _read(file: Path, key: str) -> torch.Tensor:
+    with safe_open(str(file), "pt") as f:
+        return f.get_tensor(key)
+
+
+class TargetHead:
+    def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, layer_ids: list[int],
+                 device: torch.device):
+        self.config = config
+        self.vocab_size = int(embed.shape[0])
+        self.layer_ids = list(layer_ids)
+        self.device = device
+        self.embed_tokens = nn.Embedding.from_pretrained(embed.to(device), freeze=True)
+        self.lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, device=device, dtype=head.dtype)
+        self.lm_head.weight = nn.Parameter(head.to(device), requires_grad=False)
+
+
+def layer_ids_for(cfg, target_config) -> list[int]:
+    n = int(target_config.num_hidden_layers)
+    ids = list(cfg.drafter.target_layer_ids or build_target_layer_ids(n, cfg.drafter.num_layers))
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"drafter.target_layer_ids: layer {bad[0]} does not exist in a {n}-layer target")
+    return ids
+
+
+def load_head(cfg, device: str | torch.device = "cpu") -> TargetHead:
+    """embed_tokens and lm_head of ``cfg``'s target on ``device``, in the target's dtype."""
+    device = torch.device(device)
+    path = ensure_target(cfg)
+    dtype = resolve_dtype(cfg.target.dtype, device)
+    if cfg.target.gguf_file is None:
+        config = AutoConfig.from_pretrained(path)
+        found = _find_tensors(path, EMBED_KEYS + HEAD_KEYS)
+        embed_key = next((k for k in EMBED_KEYS if k in found), None)
+        head_key = next((k for k in HEAD_KEYS if k in found), None)
+        if embed_key and (head_key or getattr(config, "tie_word_embeddings", False)):
+            embed = _read(found[embed_key], embed_key).to(dtype)
+            head = _read(found[head_key], head_key).to(dtype) if head_key else embed
+            return TargetHead(config, embed, head, layer_ids_for(cfg, config), device)
+    target = load_target(cfg, device)
+    return TargetHead(target.config, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(),
+                      target.layer_ids, device)

@@ -1,0 +1,154 @@
+"""Supervisor-owned shared state of the drafter side: weights, AdamW state, gradients.
+
+Weights and optimizer state are double-buffered; a single int64 ``version`` is the
+commit point. Version v lives in buffer ``v % 2``; the optimizer builds v+1 in the other
+buffer and only then stores ``version = v+1``::
+
+    weights     [2, P] f32   buffer v%2 = weights after v optimizer steps
+    exp_avg     [2, P] f32   AdamW first moment   (same buffer rule)
+    exp_avg_sq  [2, P] f32   AdamW second moment
+    version     [1]  int64   commit point; written last, by the optimizer only
+
+A killed optimizer leaves at worst a half-written *inactive* buffer, which its
+replacement simply rebuilds from the active one. Drafters only ever read buffer v%2 for
+the version their batch needs, and the optimizer cannot build v+1 before every drafter
+has finished with v (it needs all their gradients), so no reader meets a writer.
+
+Each drafter j accumulates the gradient of its batches of a step in its own pair of
+buffers, with a header naming the last batch included::
+
+    grads       [M, 2, P] f32
+    grad_head   [M] int64    (last_batch + 1) * 2 + active buffer;  0 = nothing yet
+
+A drafter adds batch b into the inactive buffer, then flips the header (its commit
+point), then commits GRAD_DONE in the ledger. Killed in between, its replacement sees
+the header already names b and does not add b twice.
+
+P is the drafter's parameter count, flattened in ``named_parameters`` order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "ParamLayout":
+        named = list(module.named_parameters())
+        return cls(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named))
+
+    @property
+    def numel(self) -> int:
+        return sum(_numel(s) for s in self.shapes)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat [P] tensor, in layout order."""
+        out, off = [], 0
+        for s in self.shapes:
+            n = _numel(s)
+            out.append(flat[off:off + n].view(s))
+            off += n
+        return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _shared(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=dtype).share_memory_()
+
+
+class WeightStore:
+    """Double-buffered weights + AdamW moments with a version commit point."""
+
+    def __init__(self, layout: ParamLayout, weights, exp_avg, exp_avg_sq, version):
+        self.layout = layout
+        self.weights, self.exp_avg, self.exp_avg_sq, self.version_t = weights, exp_avg, exp_avg_sq, version
+
+    @classmethod
+    def allocate(cls, layout: ParamLayout) -> "WeightStore":
+        P = layout.numel
+        return cls(layout, _shared(2, P), _shared(2, P), _shared(2, P), _shared(1, dtype=torch.int64))
+
+    def __getstate__(self):
+        return (self.layout, self.weights, self.exp_avg, self.exp_avg_sq, self.version_t)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    @property
+    def version(self) -> int:
+        return int(self.version_t[0])
+
+    def load_params(self, params: list[torch.Tensor], version: int) -> None:
+        """Copy weights of ``version`` into ``params`` (any device)."""
+        if version != self.version:
+            raise RuntimeError(f"weights v{version} requested but v{self.version} is committed")
+        with torch.no_grad():
+            for p, w in zip(params, self.layout.views(self.weights[version % 2])):
+                p.copy_(w, non_blocking=False)
+
+    def moments(self, version: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        b = version % 2
+        return self.layout.views(self.exp_avg[b]), self.layout.views(self.exp_avg_sq[b])
+
+    def publish(self, version: int, params: list[torch.Tensor], exp_avg: list[torch.Tensor] | None,
+                exp_avg_sq: list[torch.Tensor] | None) -> None:
+        """Write state ``version`` into its buffer, then commit it (the version store)."""
+        b = version % 2
+        with torch.no_grad():
+            for dst, src in zip(self.layout.views(self.weights[b]), params):
+                dst.copy_(src)
+            for flat, srcs in ((self.exp_avg[b], exp_avg), (self.exp_avg_sq[b], exp_avg_sq)):
+                if srcs is None:
+                    flat.zero_()
+                else:
+                    for dst, src in zip(self.layout.views(flat), srcs):
+                        dst.copy_(src)
+        self.version_t[0] = version
+
+
+class GradAccumulators:
+    """Per-drafter double-buffered gradient sums with a batch-id header."""
+
+    def __init__(self, layout: ParamLayout, grads: torch.Tensor, head: torch.Tensor):
+        self.layout, self.grads, self.head = layout, grads, head
+
+    @classmethod
+    def allocate(cls, layout: ParamLayout, num_drafters: int) -> "GradAccumulators":
+        return cls(layout, _shared(num_drafters, 2, layout.numel), _shared(num_drafters, dtype=torch.int64))
+
+    def __getstate__(self):
+        return (self.layout, self.grads, self.head)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    def last_batch(self, j: int) -> int:
+        """The last batch drafter j's active buffer includes (-1: none)."""
+        return int(self.head[j]) // 2 - 1
+
+    def active(self, j: int) -> list[torch.Tensor]:
+        return self.layout.views(self.grads[j, int(self.head[j]) % 2])
+
+    def commit(self, j: int, batch_id: int, grads: list[torch.Tensor]) -> None:
+        """Store the running sum that now includes ``batch_id``, then flip the header."""
+        b = 1 - int(self.head[j]) % 2
+        with torch.no_grad():
+            for dst, src in zip(self.layout.views(self.grads[j, b]), grads):
+                dst.copy_(src)
+        self.head[j] = (batch_id + 1) * 2 + b
+
+    def reset(self) -> None:
+        self.head.zero_()

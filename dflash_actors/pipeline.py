@@ -1,0 +1,206 @@
+"""The training job: loader -> target.0..N-1 -> drafter.0..M-1 -> optimizer, supervised.
+
+``Job(cfg).run()`` is what ``launch.py`` calls. In the parent, before anything is spawned:
+preflight (devices, dataset structure and token range, epoch plans; bad input raises
+and nothing is written to the run directory), the tiny target is built if the config
+asks for it (once, not by N racing actors), and every shared buffer is allocated and
+filled with weight version 0 (or the checkpoint's). Then the supervisor runs the four
+stages over the ledger's batch ids. When it returns, for whatever reason (finished,
+signal, an actor that kept dying), the actors are gone and the shared state is
+consistent, so the final checkpoint is written from it here.
+
+Stages and buffers::
+
+    loader.0    PLANNED  -> LOADED     writes batch ring         (credit: batch slots)
+    target.i    LOADED   -> FEATURED   batch ring -> feature ring
+    drafter.j   FEATURED -> GRAD_DONE  feature ring -> grads[j]  (ordered: b % M == j)
+    optimizer.0 GRAD_DONE-> COMMITTED  grads -> weights v+1      (ordered)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .channels import RingSpec
+from .checkpoint import (
+    ResumeError,
+    check_resumable,
+    latest_checkpoint,
+    load_trainer_state,
+    remove_partial,
+    save_checkpoint,
+    trainer_state,
+)
+from .config import Config, ConfigError, dump_config
+from .dispatch import Stage
+from .ledger import State
+from .metrics import batch_table, read_steps, step_table
+from .models.drafter import DFlashDrafter, build_drafter
+from .models.head import load_head
+from .models.target import resolve_dtype
+from .params import GradAccumulators, ParamLayout, WeightStore
+from .preflight import preflight
+from .schedule import Schedule
+from .supervisor import JobState, Supervisor
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    reason: str
+    summary: dict
+    committed: list[int] = field(default_factory=list)
+    """Ledger rows in the order the optimizer committed them (row r = batch start + r)."""
+
+
+def _initial_state(cfg: Config, head, run_dir: Path, resume: bool):
+    """(drafter module on CPU at the start version, version, saved moments or None)."""
+    model = build_drafter(cfg, head)
+    if not resume:
+        if latest_checkpoint(run_dir) is not None:
+            raise ConfigError(f"runtime.run_dir: {run_dir} already holds checkpoints; "
+                              "pass --resume to continue it, or choose another --run-dir")
+        if cfg.drafter.init_from:
+            model.load_state_dict(_compatible_drafter(cfg.drafter.init_from, model).state_dict())
+        return model, 0, None
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ResumeError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    state = load_trainer_state(ckpt)
+    check_resumable(state["config"], cfg.to_dict())
+    model.load_state_dict(DFlashDrafter.from_pretrained(ckpt).state_dict())
+    return model, int(state["step"]), state["optimizer"]
+
+
+_MUST_MATCH = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "block_size")
+
+
+def _compatible_drafter(path: str, built: DFlashDrafter) -> DFlashDrafter:
+    """Load ``drafter.init_from`` and check it fits this target and config."""
+    try:
+        loaded = DFlashDrafter.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"drafter.init_from: {e}") from None
+    for key in _MUST_MATCH:
+        want, got = getattr(built.config, key, None), getattr(loaded.config, key, None)
+        if want != got:
+            raise ConfigError(f"drafter.init_from: {path} has {key}={got}, but this target and config "
+                              f"need {key}={want}")
+    for key in ("target_layer_ids", "mask_token_id"):
+        want, got = built.config.dflash_config[key], loaded.config.dflash_config.get(key)
+        if want != got:
+            raise ConfigError(f"drafter.init_from: {path} has dflash_config.{key}={got}, expected {want}")
+    return loaded
+
+
+class Job:
+    """A prepared run: inputs checked, shared state allocated, nothing spawned yet.
+
+    The constructor raises (ConfigError, DatasetError, ResumeError, ValueError) for bad
+    input and writes nothing to the run directory; ``run`` does the rest."""
+
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
+        self.t0 = time.perf_counter()
+        self.cfg, self.run_dir = cfg, Path(cfg.runtime.run_dir)
+        head = load_head(cfg, "cpu")
+        self.pre = preflight(cfg, vocab_size=head.vocab_size, progress=progress)
+        self.schedule = schedule = Schedule.from_config(cfg, self.pre.dataset.lengths)
+        if schedule.total_steps == 0:
+            raise ConfigError(f"train.grad_accum: no optimizer step fits an epoch ({len(self.pre.plan0)} "
+                              f"batches; a step needs grad_accum * drafters = {schedule.per_step})")
+        self.model, self.version, moments = _initial_state(cfg, head, self.run_dir, resume)
+        self.start = self.version * schedule.per_step
+        layout = ParamLayout.of(self.model)
+        self.store = WeightStore.allocate(layout)
+        params = list(self.model.parameters())
+        if moments is None:
+            self.store.publish(self.version, params, None, None)
+        else:
+            self.store.publish(self.version, params, layout.views(moments["exp_avg"]),
+                               layout.views(moments["exp_avg_sq"]))
+        self.n_rows = schedule.total_batches - self.start
+        self.shared = {"weights": self.store, "grads": GradAccumulators.allocate(layout, cfg.topology.num_drafters),
+                       "batch_stats": batch_table(max(self.n_rows, 1), cfg.drafter.block_size),
+                       "step_stats": step_table(max(schedule.total_steps - self.version, 1))}
+        self.width = len(head.layer_ids) * int(head.config.hidden_size)
+
+    def stages(self) -> tuple[list[Stage], list[RingSpec]]:
+        cfg, devices = self.cfg, self.pre.devices
+        from .actors.drafter import Drafter
+        from .actors.loader import Loader
+        from .actors.optimizer import Optimizer
+        from .actors.target import Target
+        feat_dtype = DTYPE_NAMES[resolve_dtype(cfg.target.dtype, torch.device(devices.targets[0]))]
+        b, rt = cfg.batching, cfg.runtime
+        rings = [RingSpec.batch("batch", rt.batch_slots, b.token_budget, b.max_samples),
+                 RingSpec.features("features", rt.feature_slots, b.token_budget, b.max_samples, self.width,
+                                   feat_dtype)]
+        common = {"cfg": cfg, "schedule": self.schedule, "start": self.start}
+        stages = [
+            Stage("loader", Loader, State.PLANNED, State.LOADED, out_ring="batch", credit=rt.batch_slots,
+                  args={**common, "train_path": self.pre.train_path}),
+            Stage("target", Target, State.LOADED, State.FEATURED, count=cfg.topology.num_targets,
+                  in_ring="batch", out_ring="features", credit=1, args={**common, "devices": devices.targets}),
+            Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=cfg.topology.num_drafters,
+                  in_ring="features", ordered=True, args={**common, "devices": devices.drafters}),
+            Stage("optimizer", Optimizer, State.GRAD_DONE, State.COMMITTED, ordered=True,
+                  credit=self.schedule.per_step, args={**common, "device": devices.drafters[0]}),
+        ]
+        return stages, rings
+
+    def run(self) -> RunResult:
+        remove_partial(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
+        if self.n_rows == 0:
+            return self._finish(0, "already complete", {})
+        stages, rings = self.stages()
+        sup = Supervisor(self.cfg.runtime, stages, rings, self.n_rows, shared=self.shared,
+                         num_threads=self.cfg.train.num_threads)
+        result = sup.run()
+        self._checkpoint()
+        if result.state is JobState.FAILED and result.traceback:
+            (self.run_dir / "error.txt").write_text(result.traceback)
+        out = self._finish(result.exit_code, result.reason, result.restarts)
+        out.committed = result.committed
+        return out
+
+    def _checkpoint(self) -> Path:
+        """The final checkpoint, from the shared state (consistent: no actor is left)."""
+        version = self.store.version
+        last = latest_checkpoint(self.run_dir)
+        if last is not None and last.name == f"step-{version:07d}":
+            return last
+        self.store.load_params(list(self.model.parameters()), version)
+        return save_checkpoint(self.run_dir, version, self.model.save_pretrained,
+                               trainer_state(self.cfg, self.schedule, self.store, version))
+
+    def _finish(self, exit_code: int, reason: str, restarts: dict) -> RunResult:
+        steps = read_steps(self.shared["step_stats"])
+        wall = time.perf_counter() - self.t0
+        tokens = int(sum(s["tokens"] for s in steps))
+        last = steps[-1] if steps else {}
+        ckpt = latest_checkpoint(self.run_dir)
+        summary = {
+            "result": reason, "step": self.store.version, "total_steps": self.schedule.total_steps,
+            "steps_this_run": len(steps), "resumed_from": self.version, "tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 1), "wall_s": round(wall, 2),
+            "loss": last.get("loss"), "simulated_tau": last.get("tau"),
+            "restarts": sum(restarts.values()), "restarts_by_actor": {k: v for k, v in restarts.items() if v},
+            "checkpoint": str(ckpt) if ckpt else None,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / "losses.json").write_text(json.dumps([s["loss"] for s in steps]))
+        print(json.dumps(summary), flush=True)
+        if exit_code and exit_code != 130:
+            print(f"error: {reason}", file=sys.stderr)
+        return RunResult(exit_code, reason, summary)

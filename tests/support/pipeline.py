@@ -1,0 +1,39 @@
+"""Shared helpers for the pipeline tests: one small config, reference results cached."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dflash_actors.checkpoint import latest_checkpoint
+from dflash_actors.config import load_config
+from dflash_actors.models.drafter import DFlashDrafter
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Small enough for CI, big enough for several steps per epoch and an epoch boundary.
+SMALL = ["data.synthetic.num_samples=128", "data.synthetic.heldout_samples=4", "train.epochs=2",
+         "runtime.heartbeat_s=0.2", "runtime.hang_timeout_s=60", "runtime.grace_s=5"]
+
+
+def small_config(cache_dir: Path, run_dir: Path, topology: str, *extra: str):
+    return load_config(ROOT / "configs/default.yaml",
+                       SMALL + [f"data.cache_dir={cache_dir}", f"runtime.run_dir={run_dir}", *extra],
+                       topology=topology)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return DFlashDrafter.from_pretrained(latest_checkpoint(run_dir)).state_dict()
+
+
+def losses(run_dir: Path) -> list[float]:
+    return json.loads((Path(run_dir) / "losses.json").read_text())
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    keys = [k for k in want if not k.startswith("rotary_emb.")]
+    assert keys and set(keys) <= set(got)
+    differ = [k for k in keys if not torch.equal(got[k], want[k])]
+    assert not differ, f"{len(differ)} tensors differ from the reference, e.g. {differ[:3]}"
