@@ -123,6 +123,8 @@ class TinyTargetConfig:
     num_kv_heads: int = _f(2, _ge(1))
     intermediate_size: int = _f(128, _ge(1))
     pretrain_steps: int = _f(300, _ge(0))
+    pretrain_batch: int = _f(8, _ge(1))
+    """Sequences per pretraining step (the fit is kept short: seconds on one thread)."""
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
@@ -151,6 +153,8 @@ class DrafterConfig:
     """Target layers whose outputs feed the drafter; None = build_target_layer_ids."""
     mask_token_id: Optional[int] = _f(None, _opt(_ge(0)))
     """An unused embedding row of the target; None = the target's last vocab row."""
+    init_from: Optional[str] = None
+    """A drafter directory (e.g. a released DFlash drafter) to start from; None = random init."""
 
 
 @dataclass(frozen=True)

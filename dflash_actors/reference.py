@@ -71,7 +71,8 @@ def step_batch_ids(cfg, step: int, shard: int) -> list[int]:
 
 def shard_gradient(drafter: DFlashDrafter, head, items, cfg, epoch: int) -> tuple[list[torch.Tensor], BlockStats]:
     """One drafter shard's summed gradient over ``items`` = ``(batch_id, batch, features)``
-    in increasing batch id: zeroed grads, then ``loss_b.backward()`` for each."""
+    in increasing batch id: zeroed grads, then ``loss_b.backward()`` for each. ``items``
+    may be a generator; each item is used before the next is drawn."""
     drafter.zero_grad(set_to_none=False)
     gamma, total = decay_gamma(cfg), None
     for batch_id, batch, features in items:
@@ -140,13 +141,14 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
             lr = opt.param_groups[0]["lr"]
             shard_grads, stats = [], None
             for j in range(cfg.topology.num_drafters):
-                items = []
-                for b in step_batch_ids(cfg, step, j):
-                    meta = assemble(dataset, plan.batch(b), buf)
-                    batch = Batch.from_buffers(buf, meta).to(device)
-                    items.append((b, batch, target.features(batch)))
-                    result.tokens += meta.n_tokens
-                grads, st = shard_gradient(drafter, target, items, cfg, epoch)
+                def items():
+                    # One batch buffer: each batch is assembled only after the previous one is used.
+                    for b in step_batch_ids(cfg, step, j):
+                        meta = assemble(dataset, plan.batch(b), buf)
+                        batch = Batch.from_buffers(buf, meta).to(device)
+                        result.tokens += meta.n_tokens
+                        yield b, batch, target.features(batch)
+                grads, st = shard_gradient(drafter, target, items(), cfg, epoch)
                 shard_grads.append(grads)
                 stats = st if stats is None else stats + st
             norm = reduce_and_step(params, shard_grads, opt, sched, cfg)

@@ -1,13 +1,15 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import ROOT
 from dflash_actors.config import load_config
 from dflash_actors.models.drafter import DFlashDrafter, build_drafter, sdpa_dense
 from dflash_actors.models.target import load_target
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ZLAB_NAMES = {
     "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",

@@ -1,12 +1,14 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT
 from dflash_actors.batching import Batch
 from dflash_actors.config import load_config
 from dflash_actors.models.target import build_target_layer_ids, ensure_target, load_target
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+import torch
+from pathlib import Path
+
+from dflash_actors.config import load_config
+from dflash_actors.data import open_dataset
+from dflash_actors.evaluate import (completion_entropy, drafter_proposer, greedy_generate, real_tau, regenerate,
+                                    simulated_tau, speculative_generate)
+from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.target import load_target
+from dflash_actors.synthetic import ensure_synthetic_dataset
+
+ROOT = Path(__file__).resolve().parents[2]
+
+B = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    torch.set_num_threads(1)
+    cfg = load_config(ROOT / "configs" / "default.yaml",
+                      [f"data.cache_dir={tmp_path_factory.getbasetemp() / 'models'}", "target.tiny.pretrain_steps=20"])
+    target = load_target(cfg)
+    return cfg, target, build_drafter(cfg, target)
+
+
+def oracle(target, corrupt_slot=None):
+    """Proposes the target's own greedy tokens, optionally one of them wrong."""
+    def propose(ids, feats):
+        draft = greedy_generate(target, ids, B - 1)[len(ids):]
+        if corrupt_slot is not None:
+            draft[corrupt_slot] = (draft[corrupt_slot] + 1) % target.vocab_size
+        return draft
+    return propose
+
+
+PROMPT = torch.tensor([5, 17, 99, 42, 8, 140, 63])
+
+
+def test_perfect_drafts_accept_whole_blocks(setup):
+    _, target, _ = setup
+    want = greedy_generate(target, PROMPT, 30)
+    out, produced = speculative_generate(oracle(target), target, PROMPT, 30, B)
+    assert torch.equal(out, want)
+    assert produced == [8, 8, 8, 5]          # first token from prefill, then 8 per verify, last capped
+
+
+def test_wrong_drafts_still_give_the_target_text(setup):
+    _, target, _ = setup
+    out, produced = speculative_generate(oracle(target, corrupt_slot=0), target, PROMPT, 20, B)
+    assert torch.equal(out, greedy_generate(target, PROMPT, 20)) and produced == [1] * 19
+    out, produced = speculative_generate(oracle(target, corrupt_slot=2), target, PROMPT, 20, B)
+    assert torch.equal(out, greedy_generate(target, PROMPT, 20)) and produced[:6] == [3] * 6
+
+
+def test_drafter_decoding_is_lossless(setup):
+    _, target, drafter = setup
+    r = real_tau(drafter, target, [PROMPT, PROMPT[:3]], 24)
+    assert r["lossless"] and 1.0 <= r["tau"] <= B and r["verify_steps"] >= 23 / B
+    out, _ = speculative_generate(drafter_proposer(drafter, target), target, PROMPT, 24, B)
+    assert torch.equal(out, greedy_generate(target, PROMPT, 24))
+
+
+def test_regenerate_writes_the_target_greedy_text(setup, tmp_path):
+    cfg, target, drafter = setup
+    heldout = open_dataset(cfg.data, progress=False, path=ensure_synthetic_dataset(cfg.data)[1])
+    regen = open_dataset(cfg.data, progress=False, path=regenerate(target, heldout, tmp_path / "regen", 12))
+    assert len(regen) == len(heldout)
+    for i in (0, 3):
+        ids, mask = regen.sample(i)
+        src_ids, src_mask = heldout.sample(i)
+        p = int(np.argmax(src_mask))
+        assert np.array_equal(ids[:p], src_ids[:p]) and mask.tolist() == [0] * p + [1] * 12
+        assert np.array_equal(ids, greedy_generate(target, torch.from_numpy(ids[:p]), 12).numpy())
+    assert 0.0 < completion_entropy(regen) <= np.log2(12)
+    untrained = simulated_tau(drafter, target, regen, cfg)
+    assert 1.0 <= untrained["tau"] < 1.2 and untrained["blocks"] == 11 * len(regen)
