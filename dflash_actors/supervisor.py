@@ -238,6 +238,7 @@ class Supervisor:
         c.proc.join()
         cause = self._exit_cause(c)
         c.conn.close()
+        c.proc.close()   # its sentinel fd; a long run restarts many times
         c.proc, c.conn = None, None
         settled, put_back = self.dispatcher.on_death(c.number)
         self._log("died", actor=c.actor_id, reason=cause, settled=settled, put_back=put_back)
@@ -311,22 +312,18 @@ class Supervisor:
         live = [c for c in self.children if c.proc is not None]
         for c in live:
             self._send(c, Stop(reason))
-        deadline = time.monotonic() + self.cfg.grace_s
-        for sig, until in ((None, deadline), (signal.SIGTERM, None), (signal.SIGKILL, None)):
-            if sig is not None:
-                for c in live:
-                    if c.proc.exitcode is None:
-                        self._log("escalate", actor=c.actor_id, reason=f"still running, sending {sig.name}")
-                        os.kill(c.proc.pid, sig)
-                until = until or time.monotonic() + TERM_WAIT_S
-            live = self._join(live, until)
-            if not live:
-                break
+        live = self._join(live, time.monotonic() + self.cfg.grace_s)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for c in live:
+                self._log("escalate", actor=c.actor_id, reason=f"still running, sending {sig.name}")
+                os.kill(c.proc.pid, sig)
+            live = self._join(live, time.monotonic() + TERM_WAIT_S)
         for c in self.children:
             if c.proc is not None:
                 c.proc.join()
                 self._log("exit", actor=c.actor_id, reason=f"exit code {c.proc.exitcode}")
                 c.conn.close()
+                c.proc.close()
                 c.proc, c.conn = None, None
 
     def _join(self, live: list[_Child], until: float) -> list[_Child]:
