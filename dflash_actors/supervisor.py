@@ -23,6 +23,18 @@ hang check). Every decision goes to ``<run_dir>/events.log`` (one JSON object a 
 ``<run_dir>/status.json`` is rewritten atomically about once a second. The supervisor
 must run in the main thread: signal handlers live there, and the children's
 parent-death signal fires when the spawning thread exits.
+
+Use::
+
+    stages = [Stage("loader", Loader, State.PLANNED, State.LOADED, out_ring="batch"),
+              Stage("target", Target, State.LOADED, State.FEATURED, count=N, in_ring="batch",
+                    out_ring="features"),
+              Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=M,
+                    in_ring="features", ordered=True), ...]
+    sup = Supervisor(cfg.runtime, stages, rings_from_config(cfg, width, "bfloat16"), n_batches,
+                     num_threads=cfg.train.num_threads, on_stop=checkpoint)
+    result = sup.run()           # returns when every batch is committed, or on a stop
+    sys.exit(result.exit_code)   # 0 done, 130 stopped by a signal, 1 failed (result.reason)
 """
 
 from __future__ import annotations
