@@ -89,6 +89,26 @@ class JobResult:
         return {JobState.DONE: 0, JobState.STOPPED: 130}.get(self.state, 1)
 
 
+class RestartPolicy:
+    """Erlang's restart intensity, per actor: more than ``max_restarts`` deaths within
+    any ``window_s`` seconds means give up."""
+
+    def __init__(self, max_restarts: int, window_s: float):
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self._deaths: collections.deque[float] = collections.deque()
+
+    def allow(self, now: float) -> bool:
+        """Record a death at ``now``; may the actor be restarted?"""
+        self._deaths.append(now)
+        while now - self._deaths[0] > self.window_s:
+            self._deaths.popleft()
+        return len(self._deaths) <= self.max_restarts
+
+    @property
+    def recent(self) -> int:
+        return len(self._deaths)
+
+
 @dataclass
 class _Child:
     actor_id: str
@@ -101,7 +121,7 @@ class _Child:
     ready: bool = False
     hung: Optional[str] = None
     restarts: int = 0
-    recent: collections.deque = field(default_factory=collections.deque)
+    policy: Optional[RestartPolicy] = None
     last_error: Optional[ActorError] = None
     """Kept across restarts, for the give-up line; ``error`` is this incarnation's."""
     error: Optional[ActorError] = None
@@ -124,7 +144,8 @@ class Supervisor:
         self.children: list[_Child] = []
         for stage in stages:
             for k in range(stage.count):
-                self.children.append(_Child(f"{stage.role}.{k}", len(self.children), stage, k))
+                self.children.append(_Child(f"{stage.role}.{k}", len(self.children), stage, k,
+                                            policy=RestartPolicy(runtime.max_restarts, runtime.restart_window_s)))
         self.heartbeats = Heartbeats.allocate(len(self.children))
         self.dispatcher = Dispatcher(stages, rings, self.ledger,
                                      {c.number: (stages.index(c.stage), c.index) for c in self.children})
@@ -254,12 +275,8 @@ class Supervisor:
         c.proc, c.conn = None, None
         settled, put_back = self.dispatcher.on_death(c.number)
         self._log("died", actor=c.actor_id, reason=cause, settled=settled, put_back=put_back)
-        now = time.monotonic()
-        c.recent.append(now)
-        while c.recent and now - c.recent[0] > self.cfg.restart_window_s:
-            c.recent.popleft()
-        if len(c.recent) > self.cfg.max_restarts:
-            line = (f"{c.actor_id} died {len(c.recent)} times within {self.cfg.restart_window_s:g}s "
+        if not c.policy.allow(time.monotonic()):
+            line = (f"{c.actor_id} died {c.policy.recent} times within {self.cfg.restart_window_s:g}s "
                     f"(max_restarts={self.cfg.max_restarts}); last exit: {cause}")
             if c.last_error is not None and c.last_error.one_line() not in cause:
                 line += f"; last traceback: {c.last_error.one_line()}"
@@ -339,11 +356,17 @@ class Supervisor:
                 c.proc, c.conn = None, None
 
     def _join(self, live: list[_Child], until: float) -> list[_Child]:
+        """Wait for ``live`` to exit until ``until``; a new SIGINT/SIGTERM cuts it short
+        (a second Ctrl-C means: do not wait for the grace period)."""
         while live:
             left = until - time.monotonic()
             if left <= 0:
                 break
-            ready = wait([c.conn for c in live] + [c.proc.sentinel for c in live], left)
+            ready = wait([self._wake_r] + [c.conn for c in live] + [c.proc.sentinel for c in live], left)
+            if self._wake_r in ready:
+                self._drain_wakeup()
+                self._log("hurry", reason="signal received while stopping; skipping the rest of the wait")
+                break
             for c in live:
                 if c.conn in ready:
                     self._read_settling(c)

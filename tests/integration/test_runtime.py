@@ -95,22 +95,29 @@ def test_sigterm_drains_in_flight_work_and_calls_the_stop_hook(tmp_path):
 
 
 def test_stop_escalates_to_sigkill_for_an_actor_that_cannot_stop(tmp_path):
-    sup = toy_job(runtime(tmp_path, grace_s=1.0), n_batches=10_000, stages=3, work_s=0.01)
+    # A stopped actor reads no Stop and ignores SIGTERM. The grace period is long, but a
+    # second SIGTERM, like a second Ctrl-C, cuts it short.
+    sup = toy_job(runtime(tmp_path, grace_s=120.0), n_batches=10_000, stages=3, work_s=0.01)
 
-    def freeze_then_stop():
+    def freeze_then_signal_twice():
         end = time.monotonic() + 60
         while time.monotonic() < end:
             c = sup.children[1]
             if all(x.ready for x in sup.children) and c.proc is not None:
                 os.kill(c.proc.pid, signal.SIGSTOP)
-                sup.request_stop("test stop")
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1.0)
+                os.kill(os.getpid(), signal.SIGTERM)
                 return
             time.sleep(0.01)
 
-    threading.Thread(target=freeze_then_stop, daemon=True).start()
+    threading.Thread(target=freeze_then_signal_twice, daemon=True).start()
     t0 = time.monotonic()
     result = sup.run()
     assert result.state is JobState.STOPPED
+    assert len(events(tmp_path / "run", "hurry")) == 1
     esc = events(tmp_path / "run", "escalate")
     assert [(e["actor"], e["reason"].split()[-1]) for e in esc] == [("target.0", "SIGTERM"), ("target.0", "SIGKILL")]
+    exits = {e["actor"]: e["reason"] for e in events(tmp_path / "run", "exit")}
+    assert exits == {"loader.0": "exit code 0", "target.0": "exit code -9", "drafter.0": "exit code 0"}
     assert time.monotonic() - t0 < 60

@@ -186,3 +186,24 @@ def test_rings_are_shaped_by_the_config():
     hidden = {f.name: f for f in feats.fields}["hidden"]
     assert hidden.shape == (4096, 1728) and hidden.dtype == "bfloat16"
     assert feats.slot_bytes == batch.slot_bytes + 4096 * 1728 * 2
+
+
+def test_restart_policy_is_a_sliding_window():
+    from dflash_actors.supervisor import RestartPolicy
+    p = RestartPolicy(max_restarts=2, window_s=10.0)
+    assert p.allow(0.0) and p.allow(1.0)
+    assert not p.allow(2.0)                  # third death within 10 s
+    p = RestartPolicy(max_restarts=2, window_s=10.0)
+    assert p.allow(0.0) and p.allow(6.0) and p.allow(12.0)   # the first fell out of the window
+    assert not p.allow(13.0)
+    assert not RestartPolicy(max_restarts=0, window_s=1.0).allow(0.0)
+
+
+def test_actor_error_one_line_names_the_innermost_frame():
+    from dflash_actors.messages import ActorError
+    tb = ('Traceback (most recent call last):\n'
+          '  File "/x/dflash_actors/actors/base.py", line 120, in actor_main\n    actor.attach()\n'
+          '  File "/x/dflash_actors/actors/toy.py", line 57, in attach\n    raise RuntimeError("boom")\n'
+          'RuntimeError: boom\n')
+    e = ActorError("target.0", "RuntimeError", "boom\nmore", tb)
+    assert e.one_line() == "RuntimeError: boom (toy.py:57 in attach)"
