@@ -182,14 +182,19 @@ def main(argv=None) -> int:
     ap.add_argument("--topology", default=None, metavar="N-M")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--eval", action="store_true", help="also report held-out simulated and real tau")
+    ap.add_argument("--target-text", action="store_true",
+                    help="train on the target's greedy completions of the training prompts (built once, cached)")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides, args.topology)
+        if args.target_text:
+            from dflash_actors.evaluate import ensure_target_text
+            cfg = load_config(args.config, args.overrides + [f"data.path={ensure_target_text(cfg)}"], args.topology)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     result = train_reference(cfg, args.run_dir)
-    summary = _summary(result)
+    summary = _summary(result) | {"data": str(train_dataset_path(cfg))}
     if args.eval:
         from dflash_actors.evaluate import evaluate_drafter
         summary["eval"] = evaluate_drafter(cfg, result.state_dict)

@@ -173,10 +173,19 @@ class DFlashDrafter(nn.Module):
 
 
 def build_drafter(cfg, target) -> DFlashDrafter:
-    """A fresh drafter for ``target``, initialised from ``cfg.train.seed`` (same in every process)."""
+    """The drafter a run starts from: ``drafter.init_from`` if set, else a fresh one
+    initialised from ``cfg.train.seed`` alone (identical in every process)."""
     mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else target.vocab_size - 1
     if not 0 <= mask_id < target.vocab_size:
         raise ValueError(f"drafter.mask_token_id: {mask_id} is outside the target's vocab of {target.vocab_size}")
+    if cfg.drafter.init_from is not None:
+        d = DFlashDrafter.from_pretrained(cfg.drafter.init_from, target.device)
+        have = (d.target_layer_ids, d.block_size, d.mask_token_id, d.config.hidden_size)
+        want = (target.layer_ids, cfg.drafter.block_size, mask_id, target.hidden_size)
+        if have != want:
+            raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} has (layer ids, block, mask id, hidden) "
+                             f"{have}, this run needs {want}")
+        return d
     dcfg = drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
                           mask_id, target.vocab_size)
     return DFlashDrafter(dcfg).init_weights(cfg.train.seed).to(target.device)

@@ -182,7 +182,8 @@ class BlockStats:
 
 
 def _ce_chunk(hidden, weight, labels, w):
-    logits = F.linear(hidden, weight).float()
+    # The frozen head keeps the target's dtype (bf16 on GPU); CE itself runs in fp32.
+    logits = F.linear(hidden.to(weight.dtype), weight).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     return (ce * w).sum(), logits.argmax(-1)
 

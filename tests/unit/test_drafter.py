@@ -77,6 +77,16 @@ def test_exported_config_and_weights(setup, tmp_path):
     assert names == ZLAB_NAMES     # no embed_tokens, no lm_head
 
 
+def test_init_from_a_saved_drafter(setup, tmp_path):
+    cfg, target, d = setup
+    d.save_pretrained(tmp_path / "dr")
+    base = [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20", f"drafter.init_from={tmp_path / 'dr'}"]
+    again = build_drafter(load_config(ROOT / "configs" / "default.yaml", base), target)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in d.state_dict().items())
+    with pytest.raises(ValueError, match="drafter.init_from"):
+        build_drafter(load_config(ROOT / "configs" / "default.yaml", base + ["drafter.block_size=16"]), target)
+
+
 def test_load_rejects_a_foreign_directory(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="not a drafter directory"):

@@ -6,10 +6,10 @@ from pathlib import Path
 from dflash_actors.config import load_config
 from dflash_actors.data import open_dataset
 from dflash_actors.evaluate import (completion_entropy, drafter_proposer, greedy_generate, real_tau, regenerate,
-                                    simulated_tau, speculative_generate)
+                                    simulated_tau, speculative_generate, walk_tau)
 from dflash_actors.models.drafter import build_drafter
 from dflash_actors.models.target import load_target
-from dflash_actors.synthetic import ensure_synthetic_dataset
+from dflash_actors.synthetic import ensure_synthetic_dataset, flatten, write_token_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,3 +76,16 @@ def test_regenerate_writes_the_target_greedy_text(setup, tmp_path):
     assert 0.0 < completion_entropy(regen) <= np.log2(12)
     untrained = simulated_tau(drafter, target, regen, cfg)
     assert 1.0 <= untrained["tau"] < 1.2 and untrained["blocks"] == 11 * len(regen)
+
+
+def test_walk_over_simulated_acceptances_replays_real_decoding(setup, tmp_path):
+    cfg, target, drafter = setup
+    heldout = open_dataset(cfg.data, progress=False, path=ensure_synthetic_dataset(cfg.data)[1])
+    regen = open_dataset(cfg.data, progress=False, path=regenerate(target, heldout, tmp_path / "regen", 16))
+    prompts = [regen.sample(i)[0][:int(np.argmax(regen.sample(i)[1]))] for i in range(4)]
+    real = real_tau(drafter, target, [torch.from_numpy(p) for p in prompts], 16)
+    sub = tmp_path / "sub"
+    ids, masks = zip(*(regen.sample(i) for i in range(4)))
+    write_token_dataset(sub, *flatten(list(ids)), flatten(list(masks))[1])
+    walked = walk_tau(drafter, target, open_dataset(cfg.data, progress=False, path=sub))
+    assert walked == pytest.approx(real["tau"], abs=1e-9)

