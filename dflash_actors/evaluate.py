@@ -25,7 +25,14 @@ import torch
 from dflash_actors.batching import Batch, BatchBuffers, assemble, plan_for
 from dflash_actors.data import open_dataset
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
-from dflash_actors.models.loss import all_anchors, anchor_candidates, block_hidden, block_labels, decay_gamma, dflash_loss
+from dflash_actors.models.loss import (
+    all_anchors,
+    anchor_candidates,
+    block_hidden,
+    block_labels,
+    decay_gamma,
+    dflash_loss,
+)
 from dflash_actors.synthetic import flatten, write_token_dataset
 
 

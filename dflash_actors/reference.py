@@ -118,6 +118,16 @@ def train_dataset_path(cfg) -> Path:
     return Path(cfg.data.path) if cfg.data.path else ensure_synthetic_dataset(cfg.data)[0]
 
 
+def _featured(dataset, plan, batch_ids, buf, target, device, result):
+    """``(b, batch, features)`` per id; one buffer, so each batch is assembled only
+    after the previous one has been used."""
+    for b in batch_ids:
+        meta = assemble(dataset, plan.batch(b), buf)
+        batch = Batch.from_buffers(buf, meta).to(device)
+        result.tokens += meta.n_tokens
+        yield b, batch, target.features(batch)
+
+
 def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = True) -> ReferenceResult:
     """Train a drafter in the exact order the actor pipeline follows (module docstring)."""
     torch.set_num_threads(cfg.train.num_threads)
@@ -141,14 +151,8 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
             lr = opt.param_groups[0]["lr"]
             shard_grads, stats = [], None
             for j in range(cfg.topology.num_drafters):
-                def items():
-                    # One batch buffer: each batch is assembled only after the previous one is used.
-                    for b in step_batch_ids(cfg, step, j):
-                        meta = assemble(dataset, plan.batch(b), buf)
-                        batch = Batch.from_buffers(buf, meta).to(device)
-                        result.tokens += meta.n_tokens
-                        yield b, batch, target.features(batch)
-                grads, st = shard_gradient(drafter, target, items(), cfg, epoch)
+                items = _featured(dataset, plan, step_batch_ids(cfg, step, j), buf, target, device, result)
+                grads, st = shard_gradient(drafter, target, items, cfg, epoch)
                 shard_grads.append(grads)
                 stats = st if stats is None else stats + st
             norm = reduce_and_step(params, shard_grads, opt, sched, cfg)

@@ -148,8 +148,7 @@ class DFlashDrafter(nn.Module):
         d = self.config.to_dict()
         d["architectures"] = ["DFlashDraftModel"]
         (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
-                 if not k.startswith("rotary_emb.")}
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS), metadata={"format": "pt"})
         return path
 
@@ -166,9 +165,9 @@ class DFlashDrafter(nn.Module):
         model = cls(cfg)
         state = load_file(str(path / WEIGHTS))
         missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("rotary_emb.")]
         if missing or unexpected:
-            raise ValueError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise ValueError(f"{path}: weights do not match its config.json "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         return model.to(device)
 
 

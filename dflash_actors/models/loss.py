@@ -22,6 +22,7 @@ backward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +97,7 @@ def block_mask_dense(anchors: torch.Tensor, ctx_len: int, block_size: int) -> to
 
 
 def _flex_attend(anchors: torch.Tensor, ctx_len: int, block_size: int):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     n = len(anchors)
 
@@ -106,17 +107,14 @@ def _flex_attend(anchors: torch.Tensor, ctx_len: int, block_size: int):
 
     bm = create_block_mask(mask_mod, B=None, H=None, Q_LEN=n * block_size, KV_LEN=ctx_len + n * block_size,
                            device=anchors.device)
-    fn = _compiled_flex(flex_attention)
-    return lambda q, k, v: fn(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
+    return lambda q, k, v: _compiled_flex()(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
 
 
-_FLEX = {}
-
-
-def _compiled_flex(flex_attention):
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=True)
-    return _FLEX["fn"]
+@functools.cache
+def _compiled_flex():
+    # Uncompiled flex_attention materialises the full score matrix; compiled it is block-sparse.
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def make_attend(anchors: torch.Tensor, ctx_len: int, block_size: int):

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

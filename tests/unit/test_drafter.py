@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from dflash_actors.config import load_config
 from dflash_actors.models.drafter import DFlashDrafter, build_drafter, sdpa_dense
@@ -80,17 +81,25 @@ def test_exported_config_and_weights(setup, tmp_path):
 def test_init_from_a_saved_drafter(setup, tmp_path):
     cfg, target, d = setup
     d.save_pretrained(tmp_path / "dr")
-    base = [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20", f"drafter.init_from={tmp_path / 'dr'}"]
+    base = [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20",
+            f"drafter.init_from={tmp_path / 'dr'}"]
     again = build_drafter(load_config(ROOT / "configs" / "default.yaml", base), target)
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in d.state_dict().items())
     with pytest.raises(ValueError, match="drafter.init_from"):
         build_drafter(load_config(ROOT / "configs" / "default.yaml", base + ["drafter.block_size=16"]), target)
 
 
-def test_load_rejects_a_foreign_directory(tmp_path):
+def test_load_rejects_a_foreign_directory(setup, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="not a drafter directory"):
         DFlashDrafter.from_pretrained(tmp_path)
+    _, _, d = setup
+    d.save_pretrained(tmp_path / "dr")
+    state = load_file(str(tmp_path / "dr" / "model.safetensors"))
+    del state["fc.weight"]
+    save_file(state, str(tmp_path / "dr" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing \\['fc.weight'\\]"):
+        DFlashDrafter.from_pretrained(tmp_path / "dr")
 
 
 def test_mask_token_must_be_in_vocab(setup):

@@ -1,12 +1,21 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from pathlib import Path
 
 from dflash_actors.config import load_config
 from dflash_actors.data import open_dataset
-from dflash_actors.evaluate import (completion_entropy, drafter_proposer, greedy_generate, real_tau, regenerate,
-                                    simulated_tau, speculative_generate, walk_tau)
+from dflash_actors.evaluate import (
+    completion_entropy,
+    drafter_proposer,
+    greedy_generate,
+    real_tau,
+    regenerate,
+    simulated_tau,
+    speculative_generate,
+    walk_tau,
+)
 from dflash_actors.models.drafter import build_drafter
 from dflash_actors.models.target import load_target
 from dflash_actors.synthetic import ensure_synthetic_dataset, flatten, write_token_dataset

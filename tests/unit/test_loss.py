@@ -1,7 +1,8 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from pathlib import Path
 
 from dflash_actors.batching import Batch
 from dflash_actors.config import load_config
