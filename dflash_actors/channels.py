@@ -143,9 +143,18 @@ class Ring:
             raise RuntimeError(f"ring {spec.name}: device {spec.device} needs CUDA")
         tensors = {}
         for f in spec.fields:
-            t = torch.zeros((spec.n_slots, *f.shape), dtype=_DTYPES[f.dtype], device=spec.device)
-            # CUDA tensors are shared by IPC handle when pickled; only CPU needs share_memory_.
-            tensors[f.name] = t.share_memory_() if spec.device == "cpu" else t
+            shape, dtype = (spec.n_slots, *f.shape), _DTYPES[f.dtype]
+            if spec.device == "cpu":
+                # Straight into a shared segment (zero pages): zeros().share_memory_() would
+                # fill private memory, then copy it, holding twice the ring for a while.
+                numel = 1
+                for d in shape:
+                    numel *= d
+                storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+                tensors[f.name] = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+            else:
+                # CUDA tensors travel by IPC handle when pickled.
+                tensors[f.name] = torch.zeros(shape, dtype=dtype, device=spec.device)
         return cls(spec, tensors)
 
     def __getstate__(self):

@@ -338,6 +338,7 @@ class Supervisor:
     def _stop_children(self, reason: str) -> None:
         """Stop, join until grace_s, SIGTERM, SIGKILL. Done messages that arrive while
         the actors finish are still settled, so the ledger ends consistent."""
+        self._drain_wakeup()   # the signal that began this stop, if any, is not a second one
         live = [c for c in self.children if c.proc is not None]
         for c in live:
             self._send(c, Stop(reason))
@@ -350,6 +351,7 @@ class Supervisor:
         for c in self.children:
             if c.proc is not None:
                 c.proc.join()
+                self._read_settling(c)   # what it sent between our last read and its exit
                 self._log("exit", actor=c.actor_id, reason=f"exit code {c.proc.exitcode}")
                 c.conn.close()
                 c.proc.close()
