@@ -1,0 +1,18 @@
+"""One module per actor kind; ``base`` holds the lifecycle they share.
+
+Importing this package (every actor process does, to unpickle its entry point) makes
+two process-wide choices that keep killed actors from leaving anything behind or
+cluttering the terminal:
+  * tqdm's lock becomes a thread lock: its default is a multiprocessing semaphore, made
+    by every tqdm() (even a disabled one), that a SIGKILLed actor leaves in /dev/shm;
+  * Hugging Face progress bars are off (the supervisor's status.json reports progress),
+    unless the user set HF_HUB_DISABLE_PROGRESS_BARS themselves.
+"""
+
+import os
+import threading
+
+from tqdm import tqdm
+
+tqdm.set_lock(threading.RLock())
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -1,0 +1,156 @@
+"""Real kills against the training pipeline: nothing lost, nothing done twice, same bits."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, losses, small_config
+
+from dflash_actors.checkpoint import PAUSE_ENV, latest_checkpoint, load_trainer_state
+from dflash_actors.models.drafter import DFlashDrafter
+from dflash_actors.pipeline import Job
+from dflash_actors.reference import train_reference
+
+LONG = ("train.epochs=20",)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fault-cache")
+
+
+def read_status(run_dir):
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def steps_done(job) -> int:
+    return int(job.shared["step_stats"][:, -1].sum())
+
+
+class Killer(threading.Thread):
+    """Kills each actor in turn with SIGKILL, once the previous one is back and the job
+    has made two more optimizer steps; records what it did."""
+
+    def __init__(self, job, run_dir, victims):
+        super().__init__(daemon=True)
+        self.job, self.run_dir, self.victims = job, run_dir, victims
+        self.killed: list[tuple[str, int, int]] = []
+        self.error = None
+
+    def _wait(self, cond, what, timeout=120):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if cond():
+                return
+            time.sleep(0.02)
+        raise TimeoutError(what)
+
+    def run(self):
+        try:
+            for victim in self.victims:
+                mark = steps_done(self.job) + 2
+                self._wait(lambda m=mark: steps_done(self.job) >= m, f"progress before killing {victim}")
+                st = read_status(self.run_dir)
+                pid = st["actors"][victim]["pid"]
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append((victim, pid, steps_done(self.job)))
+
+                def back(v=victim, old=pid):
+                    s = read_status(self.run_dir)
+                    a = s and s["actors"][v]
+                    return a and a["pid"] not in (None, old) and a["state"] in ("idle", "working")
+                self._wait(back, f"{victim} restart")
+        except Exception as e:   # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+def test_kill_every_role_mid_run(cache_dir, tmp_path):
+    cfg = small_config(cache_dir, tmp_path / "run", "2-2", *LONG)
+    job = Job(cfg, progress=False)
+    killer = Killer(job, tmp_path / "run", ["drafter.1", "loader.0", "optimizer.0", "target.0"])
+    killer.start()
+    result = job.run()
+    killer.join(5)
+    assert killer.error is None, killer.error
+    assert [k[0] for k in killer.killed] == ["drafter.1", "loader.0", "optimizer.0", "target.0"]
+    assert result.exit_code == 0, result.reason
+    assert result.summary["restarts_by_actor"] == dict.fromkeys(killer.victims, 1)
+    total = job.schedule.total_batches
+    assert sorted(result.committed) == list(range(total)), "a batch was lost or committed twice"
+    ref = train_reference(cfg, progress=False)
+    assert losses(tmp_path / "run") == ref.losses
+    assert_same_weights(final_weights(tmp_path / "run"), ref.state_dict)
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.log").read_text().splitlines()]
+    died = [e for e in events if e["event"] == "died"]
+    assert [e["actor"] for e in died] == [k[0] for k in killer.killed]
+    assert all(e["reason"] == "killed by SIGKILL" for e in died)
+
+
+RESUME_LEN = ("train.epochs=6",)
+
+
+def _launch(cache_dir, run_dir, *extra, env=None, resume=False):
+    args = [sys.executable, "launch.py", "--topology", "2-2"]
+    args += ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
+    for kv in SMALL + [f"data.cache_dir={cache_dir}", *RESUME_LEN, *extra]:
+        args += ["--set", kv]
+    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_kill_whole_job_during_checkpoint_then_resume(cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    sup = _launch(cache_dir, run_dir, "train.checkpoint_every=3", env={PAUSE_ENV: "2"})
+    try:
+        end = time.monotonic() + 240
+        while time.monotonic() < end and not list(ckpts.glob(".tmp-step-0000006-*")):
+            assert sup.poll() is None, sup.communicate()
+            time.sleep(0.02)
+        assert list(ckpts.glob(".tmp-step-0000006-*")), "the second checkpoint never started"
+        children = [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait(10)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10 and not all(_gone(p) for p in children):
+            time.sleep(0.05)
+        assert all(_gone(p) for p in children), "an actor outlived the killed supervisor"
+    finally:
+        sup.kill()
+        sup.communicate()
+    # The write in progress never became a checkpoint; the previous one is whole.
+    last = latest_checkpoint(run_dir)
+    assert last.name == "step-0000003"
+    assert load_trainer_state(last)["next_batch"] == 3 * 2
+    DFlashDrafter.from_pretrained(last)
+
+    refused = _launch(cache_dir, run_dir, "train.lr=1e-2", resume=True)
+    out, err = refused.communicate(timeout=120)
+    assert refused.returncode == 2 and "train.lr" in err and "resume refused" in err
+
+    resumed = _launch(cache_dir, run_dir, resume=True)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["resumed_from"] == 3 and summary["step"] == summary["total_steps"]
+    assert not list(ckpts.glob(".tmp-*"))
+    cfg = small_config(cache_dir, tmp_path / "ref", "2-2", *RESUME_LEN)
+    ref = train_reference(cfg, progress=False)
+    assert_same_weights(final_weights(run_dir), ref.state_dict)
+    assert losses(run_dir) == ref.losses[3:]
