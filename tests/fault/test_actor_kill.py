@@ -21,11 +21,11 @@ def _kill_run(tmp_path, plan, n, **job):
 
 def test_kill9_each_role_mid_batch_twice(tmp_path):
     plan = ["loader.0", "target.0", "drafter.0"] * 2
-    sup, result, striker = _kill_run(tmp_path, plan, n=200, stages=3, work_s=0.03)
+    sup, result, striker = _kill_run(tmp_path, plan, n=120, stages=3, work_s=0.03)
     assert [s["actor"] for s in striker.strikes] == plan, "the job ended before every kill landed"
     assert result.state is JobState.DONE
-    assert result.committed == list(range(200))   # one ordered drafter: exact order, no gap, no repeat
-    assert_exactly_once(sup, result, 200)
+    assert result.committed == list(range(120))   # one ordered drafter: exact order, no gap, no repeat
+    assert_exactly_once(sup, result, 120)
     assert result.restarts == {"loader.0": 2, "target.0": 2, "drafter.0": 2}
     died = events(tmp_path / "run", "died")
     assert [d["actor"] for d in died] == plan
@@ -38,10 +38,10 @@ def test_kill9_each_role_mid_batch_twice(tmp_path):
 
 def test_kill9_producer_and_consumer_of_two_stage_ring(tmp_path):
     plan = ["drafter.0", "loader.0", "drafter.0", "loader.0"]
-    sup, result, striker = _kill_run(tmp_path, plan, n=150, stages=2, work_s=0.03)
+    sup, result, striker = _kill_run(tmp_path, plan, n=100, stages=2, work_s=0.03)
     assert len(striker.strikes) == len(plan)
-    assert result.state is JobState.DONE and result.committed == list(range(150))
-    assert_exactly_once(sup, result, 150)
+    assert result.state is JobState.DONE and result.committed == list(range(100))
+    assert_exactly_once(sup, result, 100)
 
 
 @pytest.mark.chaos
