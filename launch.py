@@ -31,6 +31,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The job reports progress itself (status.json, the summary); model-loading bars from
+    # transformers would only interleave with it.
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     overrides = list(args.overrides)
     if args.run_dir and args.resume and args.run_dir != args.resume:
         print("error: --run-dir and --resume name different directories", file=sys.stderr)

@@ -62,14 +62,13 @@ class RunResult:
 
 
 def _initial_state(cfg: Config, head, run_dir: Path, resume: bool):
-    """(drafter module on CPU at the start version, version, saved moments or None)."""
+    """(drafter module on CPU at the start version, version, saved moments or None).
+    ``build_drafter`` honours ``drafter.init_from`` and checks it fits the target."""
     model = build_drafter(cfg, head)
     if not resume:
         if latest_checkpoint(run_dir) is not None:
             raise ConfigError(f"runtime.run_dir: {run_dir} already holds checkpoints; "
                               "pass --resume to continue it, or choose another --run-dir")
-        if cfg.drafter.init_from:
-            model.load_state_dict(_compatible_drafter(cfg.drafter.init_from, model).state_dict())
         return model, 0, None
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
@@ -78,28 +77,6 @@ def _initial_state(cfg: Config, head, run_dir: Path, resume: bool):
     check_resumable(state["config"], cfg.to_dict())
     model.load_state_dict(DFlashDrafter.from_pretrained(ckpt).state_dict())
     return model, int(state["step"]), state["optimizer"]
-
-
-_MUST_MATCH = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "intermediate_size", "block_size")
-
-
-def _compatible_drafter(path: str, built: DFlashDrafter) -> DFlashDrafter:
-    """Load ``drafter.init_from`` and check it fits this target and config."""
-    try:
-        loaded = DFlashDrafter.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"drafter.init_from: {e}") from None
-    for key in _MUST_MATCH:
-        want, got = getattr(built.config, key, None), getattr(loaded.config, key, None)
-        if want != got:
-            raise ConfigError(f"drafter.init_from: {path} has {key}={got}, but this target and config "
-                              f"need {key}={want}")
-    for key in ("target_layer_ids", "mask_token_id"):
-        want, got = built.config.dflash_config[key], loaded.config.dflash_config.get(key)
-        if want != got:
-            raise ConfigError(f"drafter.init_from: {path} has dflash_config.{key}={got}, expected {want}")
-    return loaded
 
 
 class Job:
@@ -111,8 +88,9 @@ class Job:
     def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
         self.t0 = time.perf_counter()
         self.cfg, self.run_dir = cfg, Path(cfg.runtime.run_dir)
+        self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
         head = load_head(cfg, "cpu")
-        self.pre = preflight(cfg, vocab_size=head.vocab_size, progress=progress)
+        self.pre.dataset.check_values(head.vocab_size, progress=progress)
         self.schedule = schedule = Schedule.from_config(cfg, self.pre.dataset.lengths)
         if schedule.total_steps == 0:
             raise ConfigError(f"train.grad_accum: no optimizer step fits an epoch ({len(self.pre.plan0)} "

@@ -61,11 +61,12 @@ class Preflight:
     plan0: EpochPlan
 
 
-def preflight(cfg: Config, vocab_size: int | None = None, progress: bool = True) -> Preflight:
+def preflight(cfg: Config, progress: bool = True) -> Preflight:
+    """Devices, dataset structure and the first epoch's plan. Token ids are checked
+    against the vocabulary by the caller once it knows the target
+    (``TokenDataset.check_values``)."""
     devices = resolve_devices(cfg)
     train, heldout = dataset_paths(cfg)
     ds = open_dataset(cfg.data, progress=progress, path=train)
-    if vocab_size is not None:
-        ds.check_values(vocab_size, progress=progress)
     plan0 = plan_for(cfg, ds.lengths, 0)
     return Preflight(devices, train, heldout, ds, plan0)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .target import build_target_layer_ids, ensure_target, load_target, resolve_dtype
 
@@ -46,6 +47,8 @@ class TargetHead:
     def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, layer_ids: list[int],
                  device: torch.device):
         self.config = config
+        self.hidden_size = int(config.hidden_size)
+        self.num_layers = int(config.num_hidden_layers)
         self.vocab_size = int(embed.shape[0])
         self.layer_ids = list(layer_ids)
         self.device = device
@@ -63,13 +66,24 @@ def layer_ids_for(cfg, target_config) -> list[int]:
     return ids
 
 
+def target_config(path: Path):
+    """The target's HF config; a directory that is not a causal LM is a one-line error."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"target.path: no loadable model config in {path} ({str(e).splitlines()[0]})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"target.path: {path} holds a {config.model_type!r} model, not a causal LM")
+    return config
+
+
 def load_head(cfg, device: str | torch.device = "cpu") -> TargetHead:
     """embed_tokens and lm_head of ``cfg``'s target on ``device``, in the target's dtype."""
     device = torch.device(device)
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
     if cfg.target.gguf_file is None:
-        config = AutoConfig.from_pretrained(path)
+        config = target_config(path)
         found = _find_tensors(path, EMBED_KEYS + HEAD_KEYS)
         embed_key = next((k for k in EMBED_KEYS if k in found), None)
         head_key = next((k for k in HEAD_KEYS if k in found), None)

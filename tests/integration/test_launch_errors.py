@@ -1,0 +1,81 @@
+"""Bad input: one line on stderr, exit status 2, before any actor starts, and nothing
+written to the run directory."""
+
+import numpy as np
+import pytest
+from support.pipeline import ROOT, SMALL
+
+import launch
+from dflash_actors.config import load_config
+from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.head import load_head
+from dflash_actors.synthetic import flatten, write_token_dataset
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("launch-cache")
+
+
+@pytest.fixture(scope="module")
+def other_drafter(cache_dir, tmp_path_factory):
+    """A drafter saved for a target with a different hidden size."""
+    cfg = load_config(ROOT / "configs/default.yaml", SMALL + [
+        f"data.cache_dir={cache_dir}", "target.tiny.hidden_size=32", "target.tiny.pretrain_steps=0"])
+    out = tmp_path_factory.mktemp("other") / "drafter"
+    build_drafter(cfg, load_head(cfg)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    from transformers import T5Config
+    out = tmp_path_factory.mktemp("t5")
+    T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_tokens(tmp_path_factory):
+    ids = [np.arange(2, 40), np.arange(2, 30), np.array([5, 6, 999, 7])]
+    offsets, flat = flatten(ids)
+    return write_token_dataset(tmp_path_factory.mktemp("bad") / "ds", offsets, flat, None)
+
+
+CASES = {
+    "topology": (["--topology", "2-0"], "topology"),
+    "missing dataset": (["--set", "data.path=/no/such/dataset"], "dataset not found"),
+    "target dir without a model": (["--set", "target.path={tmp}"], "target.path: no loadable model config"),
+    "target not a causal LM": (["--set", "target.path={bert}"], "'t5' model, not a causal LM"),
+    "block larger than budget": (["--set", "drafter.block_size=4096"], "drafter.block_size"),
+    "drafter hidden size": (["--set", "drafter.init_from={other}"], "drafter.init_from: "),
+    "too many GPUs": (["--set", "topology.target_devices=[cuda:0]"], "CUDA device"),
+    "layer out of range": (["--set", "drafter.target_layer_ids=[99]"], "target_layer_ids"),
+    "mask id outside vocab": (["--set", "drafter.mask_token_id=100000"], "mask_token_id"),
+    "token out of vocab": (["--set", "data.path={bad}"], "row 2: input_ids value 999"),
+    "unknown key": (["--set", "train.learning_rate=1"], "train.learning_rate: unknown key"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_and_writes_nothing(case, tmp_path, cache_dir, other_drafter, bad_tokens, bert, capsys):
+    argv, expected = CASES[case]
+    argv = [a.format(tmp=tmp_path, other=other_drafter, bad=bad_tokens, bert=bert) for a in argv]
+    run_dir = tmp_path / "run"
+    common = ["--run-dir", str(run_dir)]
+    for kv in SMALL + [f"data.cache_dir={cache_dir}"]:
+        common += ["--set", kv]
+    assert launch.main(common + argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert not run_dir.exists()
+
+
+def test_resume_without_checkpoint(tmp_path, cache_dir, capsys):
+    (tmp_path / "empty").mkdir()
+    argv = ["--resume", str(tmp_path / "empty"), "--set", f"data.cache_dir={cache_dir}"]
+    for kv in SMALL:
+        argv += ["--set", kv]
+    assert launch.main(argv) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert list((tmp_path / "empty").iterdir()) == []
