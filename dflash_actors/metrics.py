@@ -8,16 +8,18 @@ per-step loss can be compared bit for bit with the reference trainer.
 
     batch_stats [n_batches, 5 + 2*B]   blocks, accepted, sum(CE*w), sum(w), tokens,
                                        slot_correct[B], slot_total[B]
-    step_stats  [n_steps, 6]           loss, tau, lr, grad_norm, tokens, done (1.0)
+    step_stats  [n_steps, 7]           loss, tau, lr, grad_norm, tokens, time (unix), done (1.0)
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from .models.loss import BlockStats
 
-STEP_COLS = ("loss", "tau", "lr", "grad_norm", "tokens", "done")
+STEP_COLS = ("loss", "tau", "lr", "grad_norm", "tokens", "time", "done")
 
 
 def batch_table(n_batches: int, block_size: int) -> torch.Tensor:
@@ -60,7 +62,7 @@ def fold_step(table: torch.Tensor, rows_by_drafter: list[list[int]]) -> tuple[Bl
 def write_step(table: torch.Tensor, row: int, stats: BlockStats, lr: float, grad_norm: float,
                tokens: int) -> dict:
     m = stats.metrics()
-    table[row] = torch.tensor([m["loss"], m["tau"], lr, grad_norm, tokens, 1.0], dtype=torch.float64)
+    table[row] = torch.tensor([m["loss"], m["tau"], lr, grad_norm, tokens, time.time(), 1.0], dtype=torch.float64)
     return m
 
 
