@@ -180,7 +180,8 @@ def _summary(r: ReferenceResult) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_actors.reference", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m dflash_actors.reference",
+                                 description="Train a drafter in one process, in the actor pipeline's exact order.")
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--topology", default=None, metavar="N-M")
