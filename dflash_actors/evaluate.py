@@ -141,10 +141,10 @@ def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int) 
     return {"tau": float(np.mean(steps)), "verify_steps": len(steps), "lossless": lossless}
 
 
-def prompts_of(dataset, max_prompts: int | None = None) -> list[tuple[torch.Tensor, int]]:
+def prompts_of(dataset) -> list[tuple[torch.Tensor, int]]:
     """``(prompt, completion length)`` per sample: the prompt is everything before the first supervised token."""
     out = []
-    for i in range(len(dataset) if max_prompts is None else min(max_prompts, len(dataset))):
+    for i in range(len(dataset)):
         ids, mask = dataset.sample(i)
         first = int(np.argmax(mask)) if mask.any() else len(ids)
         out.append((torch.from_numpy(ids[:max(first, 1)]), len(ids) - max(first, 1)))
