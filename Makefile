@@ -17,8 +17,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# Each demo gets its own run directory, so it can be run again (or killed and resumed
+# with: python launch.py --topology 2-2 --resume runs/demo-...).
 demo: setup
-	$(PY) launch.py --topology $(TOPOLOGY)
+	$(PY) launch.py --topology $(TOPOLOGY) --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: setup
 	$(PY) -m pytest -q -m "not slow and not chaos" tests

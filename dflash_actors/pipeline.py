@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .channels import RingSpec
 from .checkpoint import (
@@ -87,7 +88,7 @@ class Job:
 
     def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
         self.t0 = time.perf_counter()
-        self.cfg, self.run_dir = cfg, Path(cfg.runtime.run_dir)
+        self.cfg, self.run_dir, self.progress = cfg, Path(cfg.runtime.run_dir), progress
         self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
         head = load_head(cfg, "cpu")
         self.pre.dataset.check_values(head.vocab_size, progress=progress)
@@ -142,15 +143,28 @@ class Job:
         if self.n_rows == 0:
             return self._finish(0, "already complete", {})
         stages, rings = self.stages()
+        bar = tqdm(total=self.schedule.total_steps, initial=self.version, unit="step", desc="train",
+                   disable=not self.progress, dynamic_ncols=True)
         sup = Supervisor(self.cfg.runtime, stages, rings, self.n_rows, shared=self.shared,
-                         num_threads=self.cfg.train.num_threads)
-        result = sup.run()
+                         num_threads=self.cfg.train.num_threads, on_status=lambda st: self._progress(bar, st))
+        try:
+            result = sup.run()
+        finally:
+            bar.close()
         self._checkpoint()
         if result.state is JobState.FAILED and result.traceback:
             (self.run_dir / "error.txt").write_text(result.traceback)
         out = self._finish(result.exit_code, result.reason, result.restarts)
         out.committed = result.committed
         return out
+
+    def _progress(self, bar, status: dict) -> None:
+        steps = read_steps(self.shared["step_stats"])
+        bar.update(self.store.version - bar.n)
+        restarts = sum(a["restarts"] for a in status["actors"].values())
+        if steps:
+            bar.set_postfix(loss=f"{steps[-1]['loss']:.3f}", tau=f"{steps[-1]['tau']:.2f}", restarts=restarts,
+                            refresh=False)
 
     def _checkpoint(self) -> Path:
         """The final checkpoint, from the shared state (consistent: no actor is left)."""
@@ -179,6 +193,12 @@ class Job:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         (self.run_dir / "losses.json").write_text(json.dumps([s["loss"] for s in steps]))
         print(json.dumps(summary), flush=True)
+        if self.progress:
+            loss = f"{summary['loss']:.4f}" if steps else "-"
+            tau = f"{summary['simulated_tau']:.3f}" if steps else "-"
+            print(f"{reason}: step {summary['step']}/{summary['total_steps']}, loss {loss}, simulated tau {tau}, "
+                  f"{summary['tokens_per_s']:.0f} tokens/s, {summary['wall_s']:.1f} s, "
+                  f"{summary['restarts']} restarts; checkpoint {summary['checkpoint']}", file=sys.stderr)
         if exit_code and exit_code != 130:
             print(f"error: {reason}", file=sys.stderr)
         return RunResult(exit_code, reason, summary)

@@ -130,10 +130,12 @@ class _Child:
 class Supervisor:
     def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec],
                  n_batches: int, shared: Optional[dict[str, torch.Tensor]] = None,
-                 num_threads: int = 1, on_stop: Optional[Callable[[str], None]] = None):
+                 num_threads: int = 1, on_stop: Optional[Callable[[str], None]] = None,
+                 on_status: Optional[Callable[[dict], None]] = None):
         """Allocates every shared buffer (rings, ledger, heartbeats); spawns nothing yet.
         ``shared``: extra tensors every actor sees as ``ctx.shared`` (the caller made them
-        shared). ``on_stop(reason)`` runs once when stopping begins."""
+        shared). ``on_stop(reason)`` runs once when stopping begins; ``on_status(status)``
+        after each status.json write (the trainer's progress line)."""
         self.cfg = runtime
         self.run_dir = Path(runtime.run_dir)
         self.rings = {spec.name: Ring.allocate(spec) for spec in rings}
@@ -141,6 +143,7 @@ class Supervisor:
         self.shared = shared or {}
         self.num_threads = num_threads
         self.on_stop = on_stop
+        self.on_status = on_status
         self.children: list[_Child] = []
         for stage in stages:
             for k in range(stage.count):
@@ -445,5 +448,8 @@ class Supervisor:
     def _write_status(self) -> None:
         path = self.run_dir / "status.json"
         tmp_path = path.with_suffix(".json.tmp")
-        tmp_path.write_text(json.dumps(self.status(), indent=1))
+        status = self.status()
+        tmp_path.write_text(json.dumps(status, indent=1))
         os.replace(tmp_path, path)
+        if self.on_status is not None:
+            self.on_status(status)
