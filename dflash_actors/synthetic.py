@@ -1,8 +1,10 @@
 """The embedded default dataset, and a writer for HF ``save_to_disk``-style directories.
 
-The synthetic language is a sparse order-2 Markov chain: every context (a, b) has
-``branching`` possible successors with skewed probabilities, so the next token is
-mostly predictable and a drafter has something real to learn. Token ids:
+The synthetic language is a sparse first-order Markov chain: every word has
+``branching`` possible successors with skewed probabilities (1/2, 1/4, ... normalised),
+so the next token is mostly predictable and a drafter has something real to learn from
+a thousand samples. (An order-2 chain over 253 words has 64k contexts: seen about twice
+each in the demo data, it taught neither the tiny target nor the drafter anything.) Token ids:
 0 = pad, 1 = eos (unused), 2..V-2 = words, V-1 = left free for the drafter's MASK.
 A sample is a prompt (loss_mask 0) followed by a completion (loss_mask 1), both drawn
 from the same chain.
@@ -21,6 +23,7 @@ import pyarrow as pa
 
 PAD_ID = 0
 FIRST_WORD = 2
+GRAMMAR_VERSION = 2   # part of the cache key: bump when generation changes
 
 
 class MarkovGrammar:
@@ -28,8 +31,7 @@ class MarkovGrammar:
         self.vocab_size = vocab_size
         self.words = vocab_size - 3          # ids 2..V-2
         rng = np.random.default_rng([seed, 0xC0FFEE])
-        w = self.words
-        self.successors = rng.integers(0, w, size=(w, w, branching))
+        self.successors = rng.integers(0, self.words, size=(self.words, branching))
         probs = 0.5 ** np.arange(branching)  # 1/2, 1/4, ... : skewed but not deterministic
         self.cum = np.cumsum(probs / probs.sum())
 
@@ -38,11 +40,9 @@ class MarkovGrammar:
         n, top = len(lengths), int(lengths.max())
         out = np.empty((n, top), np.int64)
         out[:, 0] = rng.integers(0, self.words, n)
-        out[:, 1] = rng.integers(0, self.words, n)
-        for t in range(2, top):
-            choice = np.searchsorted(self.cum, rng.random(n), side="right")
-            choice = np.minimum(choice, len(self.cum) - 1)
-            out[:, t] = self.successors[out[:, t - 2], out[:, t - 1], choice]
+        for t in range(1, top):
+            choice = np.minimum(np.searchsorted(self.cum, rng.random(n), side="right"), len(self.cum) - 1)
+            out[:, t] = self.successors[out[:, t - 1], choice]
         return [out[i, :lengths[i]] + FIRST_WORD for i in range(n)]
 
 
@@ -116,7 +116,7 @@ def make_synthetic_samples(syn, n: int, seed_offset: int):
 def ensure_synthetic_dataset(data_cfg) -> tuple[Path, Path]:
     """Generate (once, cached by config) the synthetic train and held-out directories."""
     syn = data_cfg.synthetic
-    key = json.dumps([syn.num_samples, syn.heldout_samples, syn.vocab_size, list(syn.prompt_len),
+    key = json.dumps([GRAMMAR_VERSION, syn.num_samples, syn.heldout_samples, syn.vocab_size, list(syn.prompt_len),
                       list(syn.completion_len), syn.branching, syn.seed])
     root = Path(data_cfg.cache_dir) / f"synthetic-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     train, heldout = root / "train", root / "heldout"

@@ -179,12 +179,14 @@ def ensure_target(cfg) -> Path:
         return p
     from dflash_actors.synthetic import ensure_synthetic_dataset
 
-    key = json.dumps([cfg.to_dict()["target"]["tiny"], cfg.to_dict()["data"]["synthetic"],
+    train_dir, _ = ensure_synthetic_dataset(cfg.data)
+    # The data directory's name is the hash of the grammar and its recipe: a new grammar
+    # means a new target.
+    key = json.dumps([cfg.to_dict()["target"]["tiny"], train_dir.parent.name,
                       cfg.data.max_seq_len, _TINY_RECIPE], sort_keys=True)
     out = Path(cfg.data.cache_dir) / f"tiny-target-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out
-    train_dir, _ = ensure_synthetic_dataset(cfg.data)
     model = _pretrain_tiny(cfg, train_dir)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -8,7 +8,6 @@ from safetensors.torch import load_file, save_file
 
 from dflash_actors.config import load_config
 from dflash_actors.models.drafter import DFlashDrafter, build_drafter, sdpa_dense
-from dflash_actors.models.target import load_target
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,11 +21,8 @@ ZLAB_NAMES = {
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    torch.set_num_threads(1)
-    cfg = load_config(ROOT / "configs" / "default.yaml",
-                      [f"data.cache_dir={tmp_path_factory.getbasetemp() / 'models'}", "target.tiny.pretrain_steps=20"])
-    target = load_target(cfg)
+def setup(tiny):
+    cfg, target = tiny
     return cfg, target, build_drafter(cfg, target)
 
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_actors.config import load_config
 from dflash_actors.data import open_dataset
 from dflash_actors.evaluate import (
     completion_entropy,
@@ -17,7 +16,6 @@ from dflash_actors.evaluate import (
     walk_tau,
 )
 from dflash_actors.models.drafter import build_drafter
-from dflash_actors.models.target import load_target
 from dflash_actors.synthetic import ensure_synthetic_dataset, flatten, write_token_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,11 +24,8 @@ B = 8
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    torch.set_num_threads(1)
-    cfg = load_config(ROOT / "configs" / "default.yaml",
-                      [f"data.cache_dir={tmp_path_factory.getbasetemp() / 'models'}", "target.tiny.pretrain_steps=20"])
-    target = load_target(cfg)
+def setup(tiny):
+    cfg, target = tiny
     return cfg, target, build_drafter(cfg, target)
 
 

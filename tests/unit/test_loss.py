@@ -8,17 +8,13 @@ from dflash_actors.batching import Batch
 from dflash_actors.config import load_config
 from dflash_actors.models import loss as L
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
-from dflash_actors.models.target import load_target
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    torch.set_num_threads(1)
-    cfg = load_config(ROOT / "configs" / "default.yaml",
-                      [f"data.cache_dir={tmp_path_factory.getbasetemp() / 'models'}", "target.tiny.pretrain_steps=20"])
-    target = load_target(cfg)
+def setup(tiny):
+    cfg, target = tiny
     drafter = build_drafter(cfg, target)
     with torch.no_grad():      # break the init's symmetry so that leaks would show
         for p in drafter.parameters():
