@@ -108,6 +108,7 @@ class Job:
                                layout.views(moments["exp_avg_sq"]))
         self.n_rows = schedule.total_batches - self.start
         self.shared = {"weights": self.store, "grads": GradAccumulators.allocate(layout, cfg.topology.num_drafters),
+                       "stopping": torch.zeros(1, dtype=torch.int64).share_memory_(),
                        "batch_stats": batch_table(max(self.n_rows, 1), cfg.drafter.block_size),
                        "step_stats": step_table(max(schedule.total_steps - self.version, 1))}
         self.width = len(head.layer_ids) * int(head.config.hidden_size)
@@ -146,7 +147,8 @@ class Job:
         bar = tqdm(total=self.schedule.total_steps, initial=self.version, unit="step", desc="train",
                    disable=not self.progress, dynamic_ncols=True)
         sup = Supervisor(self.cfg.runtime, stages, rings, self.n_rows, shared=self.shared,
-                         num_threads=self.cfg.train.num_threads, on_status=lambda st: self._progress(bar, st))
+                         num_threads=self.cfg.train.num_threads, on_status=lambda st: self._progress(bar, st),
+                         on_stop=lambda reason: self.shared["stopping"].fill_(1))
         try:
             result = sup.run()
         finally:

@@ -9,7 +9,8 @@ Contract:
             then commits GRAD_DONE and the feature slot is freed
   waits for weight version s to be committed by the optimizer (polling the version
             word every millisecond while beating: it is an int in shared memory, and
-            the optimizer publishes it without a message)
+            the optimizer publishes it without a message); gives up, uncommitted, when
+            the job is stopping
   on restart rebuilds the module (cheap: weights come from the store); a batch the
             header already names is not added again, and the next batch continues
             from the committed running sum, so the sum is bit-identical to one never
@@ -28,7 +29,7 @@ from ..metrics import write_batch
 from ..models.drafter import build_drafter
 from ..models.head import load_head
 from ..models.loss import batch_loss, decay_gamma
-from .base import Actor
+from .base import Actor, Shutdown
 
 VERSION_POLL_S = 0.001
 
@@ -45,13 +46,17 @@ class Drafter(Actor):
         self.model = build_drafter(self.cfg, self.head)
         self.params = list(self.model.parameters())
         self.store, self.acc = self.ctx.shared["weights"], self.ctx.shared["grads"]
-        self.stats = self.ctx.shared["batch_stats"]
+        self.stats, self.stopping = self.ctx.shared["batch_stats"], self.ctx.shared["stopping"]
         self.gamma = decay_gamma(self.cfg)
         self.version = -1
         self.in_ring.pin()
 
     def _await_version(self, s: int) -> None:
         while (v := self.store.version) < s:
+            if self.stopping[0]:
+                # The optimizer is stopping too, so version s may never come; leave the
+                # batch uncommitted (FEATURED) rather than hold up the shutdown.
+                raise Shutdown("job stopping while waiting for weights")
             time.sleep(VERSION_POLL_S)
             self.beat()
         if v != s:

@@ -154,3 +154,33 @@ def test_kill_whole_job_during_checkpoint_then_resume(cache_dir, tmp_path):
     ref = train_reference(cfg, progress=False)
     assert_same_weights(final_weights(run_dir), ref.state_dict)
     assert losses(run_dir) == ref.losses[3:]
+
+
+def test_sigterm_checkpoints_promptly_and_resumes(cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    sup = _launch(cache_dir, run_dir)
+    try:
+        end = time.monotonic() + 240
+        while time.monotonic() < end:
+            st = read_status(run_dir)
+            if st and st["batches"]["committed"] >= 8:
+                break
+            assert sup.poll() is None, sup.communicate()
+            time.sleep(0.05)
+        os.kill(sup.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        out, err = sup.communicate(timeout=60)
+        stop_s = time.monotonic() - t0
+    finally:
+        sup.kill()
+    assert sup.returncode == 130, err[-2000:]
+    events = [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "escalate"], "an actor had to be forced to stop"
+    assert stop_s < 20
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["result"] == "SIGTERM" and latest_checkpoint(run_dir).name == f"step-{summary['step']:07d}"
+    resumed = _launch(cache_dir, run_dir, resume=True)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-2000:]
+    ref = train_reference(small_config(cache_dir, tmp_path / "ref", "2-2", *RESUME_LEN), progress=False)
+    assert_same_weights(final_weights(run_dir), ref.state_dict)
