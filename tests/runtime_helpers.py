@@ -87,3 +87,20 @@ class Striker(threading.Thread):
                         return
         except Exception as e:  # noqa: BLE001 - reported by the test
             self.error = e
+
+
+def all_gone(pids, within_s: float) -> bool:
+    """True once every pid has exited (a zombie counts: it runs nothing), waiting up to ``within_s``."""
+    import psutil
+
+    def gone(pid):
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+    end = time.monotonic() + within_s
+    while not all(gone(p) for p in pids):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True

@@ -22,11 +22,13 @@ hung actor is told apart from a slow one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -146,6 +148,23 @@ class Actor:
         """Progress inside a long ``work``: keeps the hang detector off."""
         hb = self.ctx.heartbeats
         hb.set(self.ctx.number, wip=hb._a[self.ctx.number, HB.WIP] + 1)
+
+    @contextlib.contextmanager
+    def beating(self):
+        """Beat from a thread while one long blocking call runs (a multi-GB checkpoint
+        write has no loop to beat from). Use sparingly: inside it, a hang is not seen."""
+        done = threading.Event()
+
+        def loop():
+            while not done.wait(self.ctx.heartbeat_s):
+                self.beat()
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
 
 
 PR_SET_PDEATHSIG = 1

@@ -92,5 +92,6 @@ class Optimizer(Actor):
         last = latest_checkpoint(self.ctx.run_dir)
         if last is not None and last.name == f"step-{version:07d}":
             return
-        save_checkpoint(self.ctx.run_dir, version, self.model.save_pretrained,
-                        trainer_state(self.cfg, self.schedule, self.store, version))
+        with self.beating():
+            save_checkpoint(self.ctx.run_dir, version, self.model.save_pretrained,
+                            trainer_state(self.cfg, self.schedule, self.store, version))

@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+from runtime_helpers import all_gone
 from support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, losses, small_config
 
 from dflash_actors.checkpoint import PAUSE_ENV, latest_checkpoint, load_trainer_state
@@ -107,13 +108,6 @@ def _launch(cache_dir, run_dir, *extra, env=None, resume=False):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _gone(pid):
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def test_kill_whole_job_during_checkpoint_then_resume(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
@@ -127,10 +121,7 @@ def test_kill_whole_job_during_checkpoint_then_resume(cache_dir, tmp_path):
         children = [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
         os.kill(sup.pid, signal.SIGKILL)
         sup.wait(10)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 10 and not all(_gone(p) for p in children):
-            time.sleep(0.05)
-        assert all(_gone(p) for p in children), "an actor outlived the killed supervisor"
+        assert all_gone(children, within_s=10), "an actor outlived the killed supervisor"
     finally:
         sup.kill()
         sup.communicate()

@@ -109,6 +109,9 @@ def test_learning_on_the_default_synthetic_data(tmp_path):
     sim0, sim1 = before["simulated_target_text"]["tau"], after["simulated_target_text"]["tau"]
     assert sim1 - sim0 >= 1.0
     assert after["real"]["lossless"] and after["real"]["tau"] - before["real"]["tau"] >= 0.5
+    # The bar: simulated and real tau on target-generated held-out text within 15%
+    # (measured 7.16 vs 6.42 with the first-order grammar).
+    assert abs(sim1 - after["real"]["tau"]) <= 0.15 * after["real"]["tau"]
     # Decoding's walk over the simulated acceptances is real decoding, token for token.
     assert after["walk_tau_target_text"] == pytest.approx(after["real"]["tau"], rel=1e-6)
     assert after["target_text_entropy_bits"] > 3.0
