@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU bring-up, in one call on a lent CUDA machine (the device tool); builds nothing.
+# Uses that machine's own python3 (which carries a CUDA torch, transformers, pyarrow,
+# pytest) with this checkout on PYTHONPATH. Fits in ~5 minutes; logs go to $OUT.
+#   1. the CUDA-only tests: CUDA-IPC and pinned rings, flex_attention vs the dense mask
+#   2. the pipeline with a bf16 target, drafter and optimizer on one GPU (1-1 and 2-2),
+#      compared with the reference run on the same GPU (equal within tolerance, not bits)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+nvidia-smi -L
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+common=(--set data.cache_dir=/tmp/gpu-cache --set train.epochs=2)
+python3 launch.py --topology 1-1 --run-dir /tmp/gpu-1-1 "${common[@]}" \
+  --set 'topology.target_devices=[cuda:0]' --set 'topology.drafter_devices=[cuda:0]' 2>&1 | tee "$OUT/pipeline_1_1.log"
+python3 launch.py --topology 2-2 --run-dir /tmp/gpu-2-2 "${common[@]}" \
+  --set 'topology.target_devices=[cuda:0, cuda:0]' --set 'topology.drafter_devices=[cuda:0, cuda:0]' 2>&1 | tee "$OUT/pipeline_2_2.log"
+python3 -m dflash_actors.reference --topology 2-2 "${common[@]}" 2>&1 | tail -1 | tee "$OUT/reference_2_2.log"
+cp /tmp/gpu-2-2/events.log "$OUT/events_2_2.log" 2>/dev/null || true
