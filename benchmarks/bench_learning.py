@@ -17,6 +17,8 @@ import json
 import time
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
 from dflash_actors.config import load_config
 from dflash_actors.evaluate import ensure_target_text, evaluate_drafter
 from dflash_actors.reference import train_reference
@@ -28,6 +30,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=16)
     args = ap.parse_args(argv)
+    hf_logging.disable_progress_bar()
     overrides = [f"train.epochs={args.epochs}"]
     text = ensure_target_text(load_config(ROOT / "configs/default.yaml", overrides))
     cfg = load_config(ROOT / "configs/default.yaml", overrides + [f"data.path={text}"])

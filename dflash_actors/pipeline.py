@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .channels import RingSpec
+from .channels import RingSpec, rings_from_config
 from .checkpoint import (
     ResumeError,
     check_resumable,
@@ -120,10 +120,10 @@ class Job:
         from .actors.optimizer import Optimizer
         from .actors.target import Target
         feat_dtype = DTYPE_NAMES[resolve_dtype(cfg.target.dtype, torch.device(devices.targets[0]))]
-        b, rt = cfg.batching, cfg.runtime
-        rings = [RingSpec.batch("batch", rt.batch_slots, b.token_budget, b.max_samples),
-                 RingSpec.features("features", rt.feature_slots, b.token_budget, b.max_samples, self.width,
-                                   feat_dtype)]
+        rt = cfg.runtime
+        # The feature ring stays in (pinned) host memory even when a target and a drafter
+        # share a GPU: the drafter reads batch fields through numpy views of the slot.
+        rings = rings_from_config(cfg, self.width, feat_dtype)
         common = {"cfg": cfg, "schedule": self.schedule, "start": self.start}
         stages = [
             Stage("loader", Loader, State.PLANNED, State.LOADED, out_ring="batch", credit=rt.batch_slots,

@@ -3,8 +3,9 @@
 A drafter actor must not load the whole target (27B of weights to use two matrices),
 so this reads only those tensors from the target's safetensors files. It quacks like
 ``TargetModel`` where the drafter and the loss look (``config``, ``vocab_size``,
-``layer_ids``, ``device``, ``embed_tokens``, ``lm_head``). Targets whose weights are
-not safetensors (GGUF) fall back to loading the model and keeping the two modules.
+``layer_ids``, ``device``, ``embed_tokens``, ``lm_head``). Targets without a
+``config.json`` and safetensors (GGUF files) fall back to loading the whole model once
+and keeping the two modules.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def load_head(cfg, device: str | torch.device = "cpu") -> TargetHead:
     device = torch.device(device)
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
-    if cfg.target.gguf_file is None:
+    if cfg.target.gguf_file is None and (path / "config.json").is_file():
         config = target_config(path)
         found = _find_tensors(path, EMBED_KEYS + HEAD_KEYS)
         embed_key = next((k for k in EMBED_KEYS if k in found), None)
