@@ -143,8 +143,8 @@ def load_target(cfg, device: str | torch.device = "cpu") -> TargetModel:
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
-    except OSError as e:
-        raise ValueError(f"target.path: cannot load a causal LM from {path} ({e})") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"target.path: cannot load a causal LM from {path} ({str(e).splitlines()[0]})") from None
     model.to(device)
     n = int(model.config.num_hidden_layers)
     ids = list(cfg.drafter.target_layer_ids or build_target_layer_ids(n, cfg.drafter.num_layers))
