@@ -161,12 +161,16 @@ class Job:
         return out
 
     def _progress(self, bar, status: dict) -> None:
+        """Each status tick: add the training position to status.json, move the bar."""
         steps = read_steps(self.shared["step_stats"])
+        last = steps[-1] if steps else {}
+        status["training"] = {"step": self.store.version, "total_steps": self.schedule.total_steps,
+                              "loss": last.get("loss"), "simulated_tau": last.get("tau"), "lr": last.get("lr"),
+                              "tokens": int(sum(s["tokens"] for s in steps))}
         bar.update(self.store.version - bar.n)
-        restarts = sum(a["restarts"] for a in status["actors"].values())
         if steps:
-            bar.set_postfix(loss=f"{steps[-1]['loss']:.3f}", tau=f"{steps[-1]['tau']:.2f}", restarts=restarts,
-                            refresh=False)
+            restarts = sum(a["restarts"] for a in status["actors"].values())
+            bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}", restarts=restarts, refresh=False)
 
     def _checkpoint(self) -> Path:
         """The final checkpoint, from the shared state (consistent: no actor is left)."""

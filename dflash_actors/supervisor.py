@@ -135,7 +135,8 @@ class Supervisor:
         """Allocates every shared buffer (rings, ledger, heartbeats); spawns nothing yet.
         ``shared``: extra tensors every actor sees as ``ctx.shared`` (the caller made them
         shared). ``on_stop(reason)`` runs once when stopping begins; ``on_status(status)``
-        after each status.json write (the trainer's progress line)."""
+        before each status.json write, and may add keys to it (the trainer adds its step
+        and loss, and drives its progress bar from it)."""
         self.cfg = runtime
         self.run_dir = Path(runtime.run_dir)
         self.rings = {spec.name: Ring.allocate(spec) for spec in rings}
@@ -449,7 +450,7 @@ class Supervisor:
         path = self.run_dir / "status.json"
         tmp_path = path.with_suffix(".json.tmp")
         status = self.status()
-        tmp_path.write_text(json.dumps(status, indent=1))
-        os.replace(tmp_path, path)
         if self.on_status is not None:
             self.on_status(status)
+        tmp_path.write_text(json.dumps(status, indent=1))
+        os.replace(tmp_path, path)

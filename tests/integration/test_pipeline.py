@@ -36,6 +36,8 @@ def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology):
     assert_same_weights(final_weights(tmp_path / "run"), ref.state_dict)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["tokens"] == ref.tokens and summary["restarts"] == 0
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["training"]["step"] == ref.steps and status["training"]["loss"] == ref.losses[-1]
 
 
 def test_grad_accumulation_matches_reference(cache_dir, tmp_path):
