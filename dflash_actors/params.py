@@ -10,7 +10,10 @@ buffer and only then stores ``version = v+1``::
     version     [1]  int64   commit point; written last, by the optimizer only
 
 A killed optimizer leaves at worst a half-written *inactive* buffer, which its
-replacement simply rebuilds from the active one. Drafters only ever read buffer v%2 for
+replacement simply rebuilds from the active one. A replacement that finds the active
+state itself untrustworthy (``problem``: impossible version, non-finite values) asks
+the job to roll back to the last checkpoint instead (``rollback`` flag, read by the
+pipeline). Drafters only ever read buffer v%2 for
 the version their batch needs, and the optimizer cannot build v+1 before every drafter
 has finished with v (it needs all their gradients), so no reader meets a writer.
 
@@ -90,6 +93,20 @@ class WeightStore:
     @property
     def version(self) -> int:
         return int(self.version_t[0])
+
+    def problem(self, first: int, last: int) -> str | None:
+        """Why the committed state cannot be trusted, or None. A kill cannot cause any of
+        this (see the module docstring); memory corruption or a bug can."""
+        v = self.version
+        if not first <= v <= last:
+            return f"committed version {v} is outside this run's [{first}, {last}]"
+        b = v % 2
+        for name, t in (("weights", self.weights[b]), ("exp_avg", self.exp_avg[b]), ("exp_avg_sq", self.exp_avg_sq[b])):
+            if not torch.isfinite(t).all():
+                return f"{name} of version {v} hold non-finite values"
+        if (self.exp_avg_sq[b] < 0).any():
+            return f"exp_avg_sq of version {v} has negative entries"
+        return None
 
     def load_params(self, params: list[torch.Tensor], version: int) -> None:
         """Copy weights of ``version`` into ``params`` (any device)."""

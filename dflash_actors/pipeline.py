@@ -86,8 +86,9 @@ class Job:
     The constructor raises (ConfigError, DatasetError, ResumeError, ValueError) for bad
     input and writes nothing to the run directory; ``run`` does the rest."""
 
-    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True, rollbacks: int = 0):
         self.t0 = time.perf_counter()
+        self.rollbacks = rollbacks
         self.cfg, self.run_dir, self.progress = cfg, Path(cfg.runtime.run_dir), progress
         self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
         head = load_head(cfg, "cpu")
@@ -109,6 +110,7 @@ class Job:
         self.n_rows = schedule.total_batches - self.start
         self.shared = {"weights": self.store, "grads": GradAccumulators.allocate(layout, cfg.topology.num_drafters),
                        "stopping": torch.zeros(1, dtype=torch.int64).share_memory_(),
+                       "rollback": torch.zeros(256, dtype=torch.uint8).share_memory_(),
                        "batch_stats": batch_table(max(self.n_rows, 1), cfg.drafter.block_size),
                        "step_stats": step_table(max(schedule.total_steps - self.version, 1))}
         self.width = len(head.layer_ids) * int(head.config.hidden_size)
@@ -146,13 +148,15 @@ class Job:
         stages, rings = self.stages()
         bar = tqdm(total=self.schedule.total_steps, initial=self.version, unit="step", desc="train",
                    disable=not self.progress, dynamic_ncols=True)
-        sup = Supervisor(self.cfg.runtime, stages, rings, self.n_rows, shared=self.shared,
-                         num_threads=self.cfg.train.num_threads, on_status=lambda st: self._progress(bar, st),
-                         on_stop=lambda reason: self.shared["stopping"].fill_(1))
+        self._sup = sup = Supervisor(
+            self.cfg.runtime, stages, rings, self.n_rows, shared=self.shared, num_threads=self.cfg.train.num_threads,
+            on_status=lambda st: self._progress(bar, st), on_stop=lambda reason: self.shared["stopping"].fill_(1))
         try:
             result = sup.run()
         finally:
             bar.close()
+        if self.shared["rollback"][0]:
+            return self._roll_back()
         self._checkpoint()
         if result.state is JobState.FAILED and result.traceback:
             (self.run_dir / "error.txt").write_text(result.traceback)
@@ -160,8 +164,31 @@ class Job:
         out.committed = result.committed
         return out
 
+    def _rollback_reason(self) -> str:
+        flag = self.shared["rollback"]
+        return bytes(flag[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+
+    def _roll_back(self) -> RunResult:
+        """The optimizer found the committed state untrustworthy: start again from the
+        newest checkpoint (or from the beginning), without writing the bad state out."""
+        ckpt = latest_checkpoint(self.run_dir)
+        reason = self._rollback_reason()
+        line = {"t": round(time.time(), 3), "event": "rollback", "to": ckpt.name if ckpt else "start",
+                "reason": f"optimizer state inconsistent: {reason}"}
+        with open(self.run_dir / "events.log", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        if self.rollbacks >= self.cfg.runtime.max_restarts:
+            return self._finish(1, f"gave up after {self.rollbacks} rollbacks; last: {reason}", {})
+        print(f"rolling back to {line['to']}: {line['reason']}", file=sys.stderr)
+        again = Job(self.cfg, resume=ckpt is not None, progress=self.progress, rollbacks=self.rollbacks + 1)
+        again.t0 = self.t0
+        return again.run()
+
     def _progress(self, bar, status: dict) -> None:
-        """Each status tick: add the training position to status.json, move the bar."""
+        """Each status tick: add the training position to status.json, move the bar, and
+        turn an optimizer's rollback request into a stop."""
+        if self.shared["rollback"][0] and self._sup.state is JobState.RUNNING:
+            self._sup.request_stop(f"rollback: {self._rollback_reason()}")
         steps = read_steps(self.shared["step_stats"])
         last = steps[-1] if steps else {}
         status["training"] = {"step": self.store.version, "total_steps": self.schedule.total_steps,

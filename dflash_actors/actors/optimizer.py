@@ -13,10 +13,14 @@ Contract:
   waits for nothing: its Work arrives only once the batch is GRAD_DONE.
   on restart reloads weights, AdamW moments and the schedule position from the active
             buffer. A step whose version is already committed is not redone; a step
-            killed before its commit is redone from the same inputs, identically.
+            killed before its commit is redone from the same inputs, identically. If the
+            active state itself is untrustworthy (``WeightStore.problem``) it raises the
+            shared ``rollback`` flag and waits: the job restarts from its last checkpoint.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -54,7 +58,21 @@ class Optimizer(Actor):
         self.batch_stats, self.step_stats = self.ctx.shared["batch_stats"], self.ctx.shared["step_stats"]
         self.opt = build_optimizer(self.params, self.cfg)
         self.sched = build_scheduler(self.opt, self.cfg, self.schedule.total_steps)
+        problem = self.store.problem(self.start // self.schedule.per_step, self.schedule.total_steps)
+        if problem:
+            self._request_rollback(problem)
         restore_optimizer(self.opt, self.sched, self.params, self.store, self.store.version)
+
+    def _request_rollback(self, problem: str) -> None:
+        """Ask the job to go back to its last checkpoint, then idle until it stops us:
+        restarting would only meet the same state again."""
+        flag = self.ctx.shared["rollback"]
+        msg = problem.encode()[:len(flag) - 1]
+        flag[1:1 + len(msg)] = torch.tensor(list(msg), dtype=torch.uint8)
+        flag[0] = 1
+        while True:
+            self.beat()
+            time.sleep(self.ctx.heartbeat_s)
 
     def work(self, w) -> None:
         g = self.start + w.batch_id

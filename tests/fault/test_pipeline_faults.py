@@ -175,3 +175,34 @@ def test_sigterm_checkpoints_promptly_and_resumes(cache_dir, tmp_path):
     assert resumed.returncode == 0, err[-2000:]
     ref = train_reference(small_config(cache_dir, tmp_path / "ref", "2-2", *RESUME_LEN), progress=False)
     assert_same_weights(final_weights(run_dir), ref.state_dict)
+
+
+def test_untrustworthy_optimizer_state_rolls_back_to_the_last_checkpoint(cache_dir, tmp_path):
+    cfg = small_config(cache_dir, tmp_path / "run", "2-2", *RESUME_LEN, "train.checkpoint_every=3")
+    job = Job(cfg, progress=False)
+    struck = {}
+
+    def strike():
+        end = time.monotonic() + 240
+        while steps_done(job) < 5 and time.monotonic() < end:
+            time.sleep(0.02)
+        pid = read_status(tmp_path / "run")["actors"]["optimizer.0"]["pid"]
+        os.kill(pid, signal.SIGSTOP)            # no step may land between corruption and kill
+        job.store.weights[:, :8] = float("nan")  # both buffers: whichever is committed is bad
+        os.kill(pid, signal.SIGKILL)
+        struck["at_step"] = job.store.version
+
+    t = threading.Thread(target=strike, daemon=True)
+    t.start()
+    result = job.run()
+    t.join(5)
+    assert struck, "the strike never happened"
+    assert result.exit_code == 0, result.reason
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.log").read_text().splitlines()]
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert len(rollbacks) == 1 and "non-finite" in rollbacks[0]["reason"]
+    assert rollbacks[0]["to"] == f"step-{result.summary['resumed_from']:07d}"
+    assert 3 <= result.summary["resumed_from"] <= struck["at_step"]
+    ref = train_reference(cfg, progress=False)
+    assert_same_weights(final_weights(tmp_path / "run"), ref.state_dict)
+    assert losses(tmp_path / "run") == ref.losses[result.summary["resumed_from"]:]
