@@ -94,8 +94,6 @@ class SyntheticDataConfig:
 class DataConfig:
     path: Optional[str] = None
     """HF ``save_to_disk`` directory, ``.arrow`` or ``.parquet``; None = synthetic."""
-    heldout_path: Optional[str] = None
-    """Held-out prompts for evaluation (same format); None = none, or synthetic's own."""
     max_seq_len: int = _f(4096, _ge(2))
     overlong: Literal["truncate", "drop"] = "truncate"
     cache_dir: str = ".cache"

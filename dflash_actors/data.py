@@ -135,7 +135,6 @@ class TokenDataset:
             raise DatasetError(f"{self.path}: dataset has no samples")
         # Map each raw row to its chunk and row-in-chunk, lazily, via chunk row starts.
         self._chunk_rows = np.cumsum([0] + [len(c.ids_offsets) - 1 for c in self._chunks])
-        self.num_raw = int(len(lengths))
         self.n_truncated = self.n_dropped = 0
         self._kept: np.ndarray | None = None
         if max_seq_len is not None:
@@ -241,11 +240,6 @@ class TokenDataset:
         ids, mask = np.empty(n, np.int64), np.empty(n, np.int8)
         self.gather(np.array([i]), ids, mask)
         return ids, mask
-
-    def file_row(self, i: int) -> tuple[str, int]:
-        c, r = self.locate(np.array([i]))
-        chunk = self._chunks[int(c[0])]
-        return chunk.file, chunk.first_row + int(r[0])
 
     # -- full validation (one vectorised pass over the values) ----------------
 

@@ -182,10 +182,10 @@ def ensure_target_text(cfg) -> Path:
     """The training split with the target's greedy completions (the DFlash recipe:
     drafters learn the target's text, not the data's), built once next to the target."""
     from dflash_actors.models.target import ensure_target, load_target
-    from dflash_actors.reference import train_dataset_path
+    from dflash_actors.preflight import train_path
 
     tdir = ensure_target(cfg)
-    src = train_dataset_path(cfg)
+    src = train_path(cfg)
     out = tdir.with_name(f"{tdir.name}-greedy-{hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:8]}")
     if not (out / "state.json").is_file():
         torch.set_num_threads(cfg.train.num_threads)

@@ -44,19 +44,15 @@ def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:
     return Devices(tuple(targets), tuple(drafters))
 
 
-def dataset_paths(cfg: Config) -> tuple[Path, Path | None]:
-    """(train, held-out) paths; the synthetic default is generated once into the cache."""
-    if cfg.data.path is None:
-        return ensure_synthetic_dataset(cfg.data)
-    heldout = Path(cfg.data.heldout_path) if cfg.data.heldout_path else None
-    return Path(cfg.data.path), heldout
+def train_path(cfg: Config) -> Path:
+    """``data.path``, or the synthetic default, generated once into the cache."""
+    return Path(cfg.data.path) if cfg.data.path is not None else ensure_synthetic_dataset(cfg.data)[0]
 
 
 @dataclass
 class Preflight:
     devices: Devices
     train_path: Path
-    heldout_path: Path | None
     dataset: TokenDataset
     plan0: EpochPlan
 
@@ -66,7 +62,7 @@ def preflight(cfg: Config, progress: bool = True) -> Preflight:
     against the vocabulary by the caller once it knows the target
     (``TokenDataset.check_values``)."""
     devices = resolve_devices(cfg)
-    train, heldout = dataset_paths(cfg)
+    train = train_path(cfg)
     ds = open_dataset(cfg.data, progress=progress, path=train)
     plan0 = plan_for(cfg, ds.lengths, 0)
-    return Preflight(devices, train, heldout, ds, plan0)
+    return Preflight(devices, train, ds, plan0)

@@ -33,7 +33,7 @@ from dflash_actors.data import open_dataset
 from dflash_actors.models.drafter import DFlashDrafter, build_drafter
 from dflash_actors.models.loss import BlockStats, batch_loss, decay_gamma
 from dflash_actors.models.target import load_target
-from dflash_actors.synthetic import ensure_synthetic_dataset
+from dflash_actors.preflight import train_path
 
 
 def build_optimizer(params, cfg) -> torch.optim.AdamW:
@@ -114,10 +114,6 @@ class ReferenceResult:
         return self.tokens / max(self.wall_s, 1e-9)
 
 
-def train_dataset_path(cfg) -> Path:
-    return Path(cfg.data.path) if cfg.data.path else ensure_synthetic_dataset(cfg.data)[0]
-
-
 def _featured(dataset, plan, batch_ids, buf, target, device, result):
     """``(b, batch, features)`` per id; one buffer, so each batch is assembled only
     after the previous one has been used."""
@@ -133,7 +129,7 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
     torch.set_num_threads(cfg.train.num_threads)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     target = load_target(cfg, device)
-    dataset = open_dataset(cfg.data, progress=progress, path=train_dataset_path(cfg))
+    dataset = open_dataset(cfg.data, progress=progress, path=train_path(cfg))
     dataset.check_values(target.vocab_size, progress=progress)
     drafter = build_drafter(cfg, target)
     params = list(drafter.parameters())
@@ -199,7 +195,7 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     result = train_reference(cfg, args.run_dir)
-    summary = _summary(result) | {"data": str(train_dataset_path(cfg))}
+    summary = _summary(result) | {"data": str(train_path(cfg))}
     if args.eval:
         from dflash_actors.evaluate import evaluate_drafter
         summary["eval"] = evaluate_drafter(cfg, result.state_dict)

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-PAD_ID = 0
 FIRST_WORD = 2
 GRAMMAR_VERSION = 2   # part of the cache key: bump when generation changes
 
