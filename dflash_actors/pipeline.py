@@ -43,7 +43,7 @@ from .dispatch import Stage
 from .ledger import State
 from .metrics import batch_table, read_steps, step_table
 from .models.drafter import DFlashDrafter, build_drafter
-from .models.head import load_head
+from .models.head import target_info
 from .models.target import resolve_dtype
 from .params import GradAccumulators, ParamLayout, WeightStore
 from .preflight import preflight
@@ -62,10 +62,10 @@ class RunResult:
     """Ledger rows in the order the optimizer committed them (row r = batch start + r)."""
 
 
-def _initial_state(cfg: Config, head, run_dir: Path, resume: bool):
+def _initial_state(cfg: Config, target, run_dir: Path, resume: bool):
     """(drafter module on CPU at the start version, version, saved moments or None).
     ``build_drafter`` honours ``drafter.init_from`` and checks it fits the target."""
-    model = build_drafter(cfg, head)
+    model = build_drafter(cfg, target)
     if not resume:
         if latest_checkpoint(run_dir) is not None:
             raise ConfigError(f"runtime.run_dir: {run_dir} already holds checkpoints; "
@@ -91,13 +91,13 @@ class Job:
         self.rollbacks = rollbacks
         self.cfg, self.run_dir, self.progress = cfg, Path(cfg.runtime.run_dir), progress
         self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
-        head = load_head(cfg, "cpu")
-        self.pre.dataset.check_values(head.vocab_size, progress=progress)
+        target = target_info(cfg, "cpu")
+        self.pre.dataset.check_values(target.vocab_size, progress=progress)
         self.schedule = schedule = Schedule.from_config(cfg, self.pre.dataset.lengths)
         if schedule.total_steps == 0:
             raise ConfigError(f"train.grad_accum: no optimizer step fits an epoch ({len(self.pre.plan0)} "
                               f"batches; a step needs grad_accum * drafters = {schedule.per_step})")
-        self.model, self.version, moments = _initial_state(cfg, head, self.run_dir, resume)
+        self.model, self.version, moments = _initial_state(cfg, target, self.run_dir, resume)
         self.start = self.version * schedule.per_step
         layout = ParamLayout.of(self.model)
         self.store = WeightStore.allocate(layout)
@@ -113,7 +113,7 @@ class Job:
                        "rollback": torch.zeros(256, dtype=torch.uint8).share_memory_(),
                        "batch_stats": batch_table(max(self.n_rows, 1), cfg.drafter.block_size),
                        "step_stats": step_table(max(schedule.total_steps - self.version, 1))}
-        self.width = len(head.layer_ids) * int(head.config.hidden_size)
+        self.width = len(target.layer_ids) * target.hidden_size
 
     def stages(self) -> tuple[list[Stage], list[RingSpec]]:
         cfg, devices = self.cfg, self.pre.devices

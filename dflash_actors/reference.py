@@ -34,6 +34,7 @@ from dflash_actors.models.drafter import DFlashDrafter, build_drafter
 from dflash_actors.models.loss import BlockStats, batch_loss, decay_gamma
 from dflash_actors.models.target import load_target
 from dflash_actors.preflight import train_path
+from dflash_actors.schedule import Schedule, batches_per_step
 
 
 def build_optimizer(params, cfg) -> torch.optim.AdamW:
@@ -52,15 +53,6 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
 def build_scheduler(opt, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, total_steps, cfg.train.warmup_ratio))
-
-
-def batches_per_step(cfg) -> int:
-    return cfg.train.grad_accum * cfg.topology.num_drafters
-
-
-def total_steps(cfg, lengths) -> int:
-    per = batches_per_step(cfg)
-    return sum(len(plan_for(cfg, lengths, e)) // per for e in range(cfg.train.epochs))
 
 
 def step_batch_ids(cfg, step: int, shard: int) -> list[int]:
@@ -133,7 +125,8 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
     dataset.check_values(target.vocab_size, progress=progress)
     drafter = build_drafter(cfg, target)
     params = list(drafter.parameters())
-    n_steps = total_steps(cfg, dataset.lengths)
+    schedule = Schedule.from_config(cfg, dataset.lengths)
+    n_steps = schedule.total_steps
     if n_steps == 0:
         raise ConfigError(f"train: no full step fits an epoch (need {batches_per_step(cfg)} batches per step)")
     opt = build_optimizer(params, cfg)
@@ -143,7 +136,7 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
     t0 = time.perf_counter()
     for epoch in range(cfg.train.epochs):
         plan = plan_for(cfg, dataset.lengths, epoch)
-        for step in range(len(plan) // batches_per_step(cfg)):
+        for step in range(schedule.steps_per_epoch[epoch]):
             lr = opt.param_groups[0]["lr"]
             shard_grads, stats = [], None
             for j in range(cfg.topology.num_drafters):

@@ -21,6 +21,11 @@ import numpy as np
 from .batching import EpochPlan, plan_for
 
 
+def batches_per_step(cfg) -> int:
+    """A * M: the batches one optimizer step consumes."""
+    return cfg.train.grad_accum * cfg.topology.num_drafters
+
+
 @dataclass(frozen=True)
 class Schedule:
     per_step: int                 # A * M
@@ -29,7 +34,7 @@ class Schedule:
 
     @classmethod
     def from_config(cls, cfg, lengths: np.ndarray) -> "Schedule":
-        per = cfg.train.grad_accum * cfg.topology.num_drafters
+        per = batches_per_step(cfg)
         steps = tuple(len(plan_for(cfg, lengths, e)) // per for e in range(cfg.train.epochs))
         return cls(per, cfg.topology.num_drafters, steps)
 

@@ -28,7 +28,7 @@ from ..checkpoint import latest_checkpoint, save_checkpoint, trainer_state
 from ..dispatch import ProtocolError
 from ..metrics import fold_step, write_step
 from ..models.drafter import build_drafter
-from ..models.head import load_head
+from ..models.head import target_info
 from ..reference import build_optimizer, build_scheduler, reduce_and_step
 from .base import Actor
 
@@ -51,8 +51,7 @@ class Optimizer(Actor):
         a = self.ctx.args
         self.cfg, self.schedule, self.start = a["cfg"], a["schedule"], a["start"]
         self.device = torch.device(a["device"])
-        head = load_head(self.cfg, self.device)
-        self.model = build_drafter(self.cfg, head)
+        self.model = build_drafter(self.cfg, target_info(self.cfg, self.device))
         self.params = list(self.model.parameters())
         self.store, self.acc = self.ctx.shared["weights"], self.ctx.shared["grads"]
         self.batch_stats, self.step_stats = self.ctx.shared["batch_stats"], self.ctx.shared["step_stats"]

@@ -44,15 +44,22 @@ def _read(file: Path, key: str) -> torch.Tensor:
         return f.get_tensor(key)
 
 
-class TargetHead:
-    def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, layer_ids: list[int],
-                 device: torch.device):
+class TargetInfo:
+    """What building a drafter needs to know of the target: no weights at all."""
+
+    def __init__(self, config, vocab_size: int, layer_ids: list[int], device: torch.device):
         self.config = config
         self.hidden_size = int(config.hidden_size)
         self.num_layers = int(config.num_hidden_layers)
-        self.vocab_size = int(embed.shape[0])
+        self.vocab_size = int(vocab_size)
         self.layer_ids = list(layer_ids)
         self.device = device
+
+
+class TargetHead(TargetInfo):
+    def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, layer_ids: list[int],
+                 device: torch.device):
+        super().__init__(config, embed.shape[0], layer_ids, device)
         self.embed_tokens = nn.Embedding.from_pretrained(embed.to(device), freeze=True)
         self.lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, device=device, dtype=head.dtype)
         self.lm_head.weight = nn.Parameter(head.to(device), requires_grad=False)
@@ -76,6 +83,17 @@ def target_config(path: Path):
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"target.path: {path} holds a {config.model_type!r} model, not a causal LM")
     return config
+
+
+def target_info(cfg, device: str | torch.device = "cpu") -> TargetInfo:
+    """The target's shape from its config.json alone (the supervisor and the optimizer
+    build drafters but never run the target). GGUF targets have no config.json: their
+    shape comes from loading the head."""
+    path = ensure_target(cfg)
+    if cfg.target.gguf_file is None and (path / "config.json").is_file():
+        config = target_config(path)
+        return TargetInfo(config, config.vocab_size, layer_ids_for(cfg, config), torch.device(device))
+    return load_head(cfg, device)
 
 
 def load_head(cfg, device: str | torch.device = "cpu") -> TargetHead:

@@ -10,7 +10,8 @@ from dflash_actors.config import load_config
 from dflash_actors.data import open_dataset
 from dflash_actors.evaluate import ensure_target_text, evaluate_drafter
 from dflash_actors.models.drafter import DFlashDrafter
-from dflash_actors.reference import lr_factor, main, step_batch_ids, total_steps, train_reference
+from dflash_actors.reference import lr_factor, main, step_batch_ids, train_reference
+from dflash_actors.schedule import Schedule
 from dflash_actors.synthetic import flatten, write_token_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def test_schedule_and_step_layout(cache):
     cfg = cfg_with(cache, "train.grad_accum=2", topology="1-3")
     assert step_batch_ids(cfg, 1, 0) == [6, 9] and step_batch_ids(cfg, 1, 2) == [8, 11]
     lengths = np.full(100, 64, np.int32)            # 32 per batch: 4 batches, one step of 6 fits none
-    assert total_steps(cfg_with(cache, "train.epochs=3", "train.grad_accum=2"), lengths) == 3 * 2
+    assert Schedule.from_config(cfg_with(cache, "train.epochs=3", "train.grad_accum=2"), lengths).total_steps == 3 * 2
 
 
 def test_same_seed_runs_are_bit_identical(cache, tmp_path):

@@ -28,6 +28,7 @@ def plan(ds, epoch, seed=3):
 
 
 def test_plan_is_pure_and_epoch_dependent(dataset):
+    # Purity is what resuming from a batch id (or sharding) relies on: re-plan, index.
     ds = dataset[0]
     a, b = plan(ds, 0), plan(ds, 0)
     np.testing.assert_array_equal(a.sample_ids, b.sample_ids)
@@ -58,14 +59,6 @@ def test_shards_are_disjoint_and_cover(dataset):
     assert all(set(shards[i]).isdisjoint(shards[j]) for i in range(3) for j in range(i + 1, 3))
     with pytest.raises(ValueError):
         p.shard(3, 3)
-
-
-def test_resume_from_batch_id_replays_the_same_tail(dataset):
-    ds = dataset[0]
-    full = plan(ds, 5)
-    again = plan(ds, 5)   # a restarted loader re-plans and skips to batch 7
-    for b in range(7, len(full)):
-        np.testing.assert_array_equal(again.batch(b), full.batch(b))
 
 
 def test_plan_rejects_oversized_sample(dataset):
