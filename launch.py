@@ -11,17 +11,12 @@ import argparse
 import json
 import sys
 
-from dflash_actors.config import load_config
-
-DEFAULT_CONFIG = "configs/default.yaml"
+from dflash_actors.config import add_config_args, config_from_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: %(default)s)")
-    ap.add_argument("--topology", help="N-M: N target actors, M drafter actors (e.g. 2-2)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+    add_config_args(ap)
     ap.add_argument("--run-dir", help="where status.json, events.log and checkpoints go")
     ap.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
     ap.add_argument("--plan-only", action="store_true",
@@ -35,14 +30,12 @@ def main(argv=None) -> int:
     # transformers would only interleave with it.
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    overrides = list(args.overrides)
     if args.run_dir and args.resume and args.run_dir != args.resume:
         print("error: --run-dir and --resume name different directories", file=sys.stderr)
         return 2
-    if args.run_dir or args.resume:
-        overrides.append(f"runtime.run_dir={args.resume or args.run_dir}")
+    run_dir = [f"runtime.run_dir={args.resume or args.run_dir}"] if args.run_dir or args.resume else []
     try:
-        cfg = load_config(args.config, overrides, topology=args.topology)
+        cfg = config_from_args(args, *run_dir)
         if args.plan_only:
             from dflash_actors.preflight import preflight
             pre = preflight(cfg)

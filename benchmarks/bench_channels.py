@@ -21,8 +21,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from dflash_actors.channels import FieldSpec, Ring, RingSpec
-from dflash_actors.messages import Done, Work
+from dflash_actors.runtime.channels import FieldSpec, Ring, RingSpec
+from dflash_actors.runtime.messages import Done, Work
 
 WARMUP = 2
 
@@ -166,7 +166,7 @@ def _roundtrip(ctx, n) -> float:
     times = []
     for i in range(n + 100):
         t0 = time.perf_counter()
-        ours.send(Work(i, 1, 0, 1))
+        ours.send(Work(i, 0, 1))
         ours.recv()
         if i >= 100:
             times.append(time.perf_counter() - t0)

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_pipeline(cfg) -> dict:
     job = Job(cfg, progress=False)
     result = job.run()
-    steps = read_steps(job.shared["step_stats"])
+    steps = read_steps(job.shared.step_stats)
     steady_tokens = sum(s["tokens"] for s in steps[1:])
     steady_s = steps[-1]["time"] - steps[0]["time"]
     out = {"wall_s": result.summary["wall_s"], "tokens_per_s": result.summary["tokens_per_s"],

@@ -20,9 +20,9 @@ import threading
 import time
 from pathlib import Path
 
-from dflash_actors.actors.base import Phase
-from dflash_actors.actors.toy import toy_job
-from dflash_actors.config import config_from_dict
+from dflash_actors.runtime.actor import Phase
+from dflash_actors.runtime.config import RuntimeConfig, build
+from tests.support.toy import toy_job
 
 
 def _killer(sup, actor_id: str, kills: int, log: list) -> None:
@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     model = None if a.model == "none" else a.model
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d) / "run"
-        rt = config_from_dict({"runtime": {"run_dir": str(run_dir), "max_restarts": a.kills + 1}}).runtime
-        sup = toy_job(rt, n_batches=100_000, stages=3, work_s=0.02, model=model, width=192)
+        rt = build(RuntimeConfig, {"run_dir": str(run_dir), "max_restarts": a.kills + 1})
+        sup, _ = toy_job(rt, n_batches=100_000, stages=3, work_s=0.02, model=model, width=192)
         kills: list = []
         t = threading.Thread(target=_killer, args=(sup, "target.0", a.kills, kills), daemon=True)
 

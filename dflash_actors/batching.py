@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .runtime.channels import FieldSpec
+
 
 @dataclass(frozen=True)
 class EpochPlan:
@@ -116,6 +118,29 @@ def plan_for(cfg, lengths: np.ndarray, epoch: int) -> EpochPlan:
 # assembly
 
 
+# The packed fields, once: name, dtype, and how long the field is (per slot, and used).
+TOKENS, SAMPLES, BOUNDARIES = "tokens", "samples", "samples+1"
+BATCH_FIELDS = (("input_ids", "int64", TOKENS), ("position_ids", "int64", TOKENS), ("loss_mask", "int8", TOKENS),
+                ("cu_seqlens", "int32", BOUNDARIES), ("sample_ids", "int64", SAMPLES))
+FEATURES = "hidden"
+"""The feature ring's extra field: the selected target layers, ``[T, W]``."""
+
+
+def _extent(kind: str, tokens: int, samples: int) -> int:
+    return {TOKENS: tokens, SAMPLES: samples, BOUNDARIES: samples + 1}[kind]
+
+
+def ring_fields(token_budget: int, max_samples: int, feature_width: int = 0,
+                feature_dtype: str = "float32") -> tuple[FieldSpec, ...]:
+    """Slot layout of the batch ring, or with ``feature_width`` of the feature ring (the
+    batch fields again, so its consumer needs no batch slot, plus the features)."""
+    fields = tuple(FieldSpec(name, (_extent(kind, token_budget, max_samples),), dtype)
+                   for name, dtype, kind in BATCH_FIELDS)
+    if feature_width:
+        fields += (FieldSpec(FEATURES, (token_budget, feature_width), feature_dtype),)
+    return fields
+
+
 @dataclass
 class BatchBuffers:
     """Preallocated packed-batch storage; the arrays may be views of shared memory."""
@@ -128,24 +153,36 @@ class BatchBuffers:
 
     @classmethod
     def allocate(cls, token_budget: int, max_samples: int) -> "BatchBuffers":
-        return cls(np.zeros(token_budget, np.int64), np.zeros(token_budget, np.int64),
-                   np.zeros(token_budget, np.int8), np.zeros(max_samples + 1, np.int32),
-                   np.zeros(max_samples, np.int64))
+        return cls(**{name: np.zeros(_extent(kind, token_budget, max_samples), dtype)
+                      for name, dtype, kind in BATCH_FIELDS})
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "BatchBuffers":
-        """View CPU tensors (e.g. shared-memory slots) as numpy without copying."""
-        return cls(**{k: t[k].numpy() for k in ("input_ids", "position_ids", "loss_mask",
-                                                 "cu_seqlens", "sample_ids")})
+        """View CPU tensors (e.g. a shared-memory ring slot) as numpy without copying."""
+        return cls(**{name: t[name].numpy() for name, _, _ in BATCH_FIELDS})
 
 
 @dataclass(frozen=True)
 class BatchMeta:
-    """What travels in a message alongside a slot index."""
+    """A batch's shape; travels in its ledger row (``as_ints``/``BatchMeta(*ints)``)."""
 
     n_samples: int
     n_tokens: int
     max_len: int
+
+    def as_ints(self) -> tuple[int, int, int]:
+        return self.n_samples, self.n_tokens, self.max_len
+
+
+META_COLS = 3
+"""Ledger meta columns a batch's shape takes."""
+
+
+def copy_batch(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], meta: BatchMeta) -> None:
+    """Copy a batch's packed fields, as far as they are used, from one slot to another."""
+    for name, _, kind in BATCH_FIELDS:
+        n = _extent(kind, meta.n_tokens, meta.n_samples)
+        dst[name][:n].copy_(src[name][:n])
 
 
 def assemble(dataset, sample_ids: np.ndarray, out: BatchBuffers) -> BatchMeta:

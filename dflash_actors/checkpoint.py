@@ -13,14 +13,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 STATE_FILE = "trainer_state.pt"
-PAUSE_ENV = "DFLASH_CHECKPOINT_PAUSE_S"   # tests only: seconds to stall mid-write
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 # Keys that may change between a run and its resume without changing the math.
@@ -58,8 +56,6 @@ def save_checkpoint(run_dir: str | Path, step: int, write_drafter: Callable[[Pat
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     write_drafter(tmp)
-    if pause := float(os.environ.get(PAUSE_ENV, 0)):
-        time.sleep(pause)   # fault injection: widen the window a kill can land in
     torch.save(trainer_state, tmp / STATE_FILE)
     _fsync_tree(tmp)
     if final.exists():          # same step saved again (e.g. final == periodic): replace
@@ -106,11 +102,10 @@ def trainer_state(cfg, schedule, store, version: int) -> dict:
     No RNG state is saved because none is carried: every random choice is derived from
     ``(train.seed, epoch, batch id, row)``, so the next batch id is all a resume needs.
     """
-    exp_avg, exp_avg_sq = (t[version % 2].clone() for t in (store.exp_avg, store.exp_avg_sq))
-    next_batch = version * schedule.per_step
-    epoch = schedule.locate(next_batch)[0] if version < schedule.total_steps else len(schedule.steps_per_epoch)
+    exp_avg, exp_avg_sq = (t.clone() for t in store.moments_flat(version))
     return {
-        "step": version, "epoch": epoch, "next_batch": next_batch, "total_steps": schedule.total_steps,
+        "step": version, "epoch": schedule.epoch_of_step(version), "next_batch": schedule.first_of_step(version),
+        "total_steps": schedule.total_steps,
         "optimizer": {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_names": list(store.layout.names),
                       "adam_step": version},
         "scheduler": {"last_epoch": version},

@@ -7,62 +7,41 @@ Every error is a ``ConfigError`` whose one-line message starts with the key path
 user sees ``batching.token_budget: must be >= 1 (got 0)`` rather than a traceback.
 
 Field constraints live next to the field (``metadata={"check": ...}``); rules that tie
-two sections together live in ``Config.__post_init__``.
+two sections together live in ``Config.__post_init__``. The checking machinery and the
+``runtime`` section belong to the generic runtime (``runtime.config``).
+
+Every command line that trains (``launch.py``, ``python -m dflash_actors.reference``)
+takes its config through ``add_config_args``/``config_from_args``, so all of them start
+from the same default file, ``configs/default.yaml``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
 
+from .runtime.config import (
+    ConfigError,
+    RuntimeConfig,
+    above,
+    at_least,
+    build,
+    checked,
+    in_range,
+    optional,
+)
 
-class ConfigError(ValueError):
-    """A bad config value; the message is one line that names the key path."""
+__all__ = ["ConfigError", "RuntimeConfig", "Config", "load_config", "config_from_dict", "DEFAULT_CONFIG"]
 
-
-# ---------------------------------------------------------------------------
-# field constraints
-
-
-def _ge(lo: float):
-    def check(v):
-        if v < lo:
-            return f"must be >= {lo}"
-    return check
-
-
-def _in_range(lo: float, hi: float):
-    def check(v):
-        if not lo <= v <= hi:
-            return f"must be in [{lo}, {hi}]"
-    return check
-
-
-def _gt(lo: float):
-    def check(v):
-        if not v > lo:
-            return f"must be > {lo}"
-    return check
-
-
-def _opt(check):
-    """Apply ``check`` only when the value is not None."""
-    def wrapped(v):
-        return None if v is None else check(v)
-    return wrapped
-
-
-def _f(default: Any, check=None):
-    """A field with an optional constraint; mutable defaults are not used here."""
-    return field(default=default, metadata={"check": check} if check else {})
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+"""The embedded default: a tiny synthetic target and dataset, on CPU."""
 
 
 # ---------------------------------------------------------------------------
@@ -72,15 +51,15 @@ def _f(default: Any, check=None):
 @dataclass(frozen=True)
 class SyntheticDataConfig:
     """The embedded default dataset: prompts then completions drawn from a sparse
-    random order-2 Markov chain, so that the next token is learnable (a few likely
-    successors per context) rather than uniform noise."""
+    random first-order Markov chain, so that the next token is learnable (``branching``
+    likely successors per word) rather than uniform noise."""
 
-    num_samples: int = _f(1024, _ge(1))
-    heldout_samples: int = _f(32, _ge(0))
-    vocab_size: int = _f(256, _ge(8))
+    num_samples: int = checked(1024, at_least(1))
+    heldout_samples: int = checked(32, at_least(0))
+    vocab_size: int = checked(256, at_least(8))
     prompt_len: tuple[int, int] = (8, 32)
     completion_len: tuple[int, int] = (48, 160)
-    branching: int = _f(3, _ge(1))
+    branching: int = checked(3, at_least(1))
     seed: int = 1234
 
     def __post_init__(self):
@@ -94,7 +73,7 @@ class SyntheticDataConfig:
 class DataConfig:
     path: Optional[str] = None
     """HF ``save_to_disk`` directory, ``.arrow`` or ``.parquet``; None = synthetic."""
-    max_seq_len: int = _f(4096, _ge(2))
+    max_seq_len: int = checked(4096, at_least(2))
     overlong: Literal["truncate", "drop"] = "truncate"
     cache_dir: str = ".cache"
     """Where the synthetic dataset and target are generated (keyed by their config)."""
@@ -103,10 +82,10 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    token_budget: int = _f(65536, _ge(1))
+    token_budget: int = checked(65536, at_least(1))
     """Padded tokens per batch: n_samples * longest_sample <= token_budget."""
-    max_samples: int = _f(512, _ge(1))
-    sort_pool: int = _f(64, _ge(1))
+    max_samples: int = checked(512, at_least(1))
+    sort_pool: int = checked(64, at_least(1))
     """Length grouping sorts pools of about this many batches' worth of samples."""
 
 
@@ -115,13 +94,13 @@ class TinyTargetConfig:
     """Shape of the synthetic Qwen3 target built from config (random init, then a short
     fit to the synthetic data so that its greedy text is not degenerate)."""
 
-    hidden_size: int = _f(64, _ge(8))
-    num_layers: int = _f(4, _ge(1))
-    num_heads: int = _f(4, _ge(1))
-    num_kv_heads: int = _f(2, _ge(1))
-    intermediate_size: int = _f(128, _ge(1))
-    pretrain_steps: int = _f(300, _ge(0))
-    pretrain_batch: int = _f(8, _ge(1))
+    hidden_size: int = checked(64, at_least(8))
+    num_layers: int = checked(4, at_least(1))
+    num_heads: int = checked(4, at_least(1))
+    num_kv_heads: int = checked(2, at_least(1))
+    intermediate_size: int = checked(128, at_least(1))
+    pretrain_steps: int = checked(300, at_least(0))
+    pretrain_batch: int = checked(8, at_least(1))
     """Sequences per pretraining step (the fit is kept short: seconds on one thread)."""
 
     def __post_init__(self):
@@ -145,11 +124,11 @@ class TargetConfig:
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    num_layers: int = _f(1, _ge(1))
-    block_size: int = _f(16, _ge(2))
+    num_layers: int = checked(1, at_least(1))
+    block_size: int = checked(16, at_least(2))
     target_layer_ids: Optional[tuple[int, ...]] = None
     """Target layers whose outputs feed the drafter; None = build_target_layer_ids."""
-    mask_token_id: Optional[int] = _f(None, _opt(_ge(0)))
+    mask_token_id: Optional[int] = checked(None, optional(at_least(0)))
     """An unused embedding row of the target; None = the target's last vocab row."""
     init_from: Optional[str] = None
     """A drafter directory (e.g. a released DFlash drafter) to start from; None = random init."""
@@ -158,25 +137,25 @@ class DrafterConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    epochs: int = _f(1, _ge(1))
-    lr: float = _f(6e-4, _gt(0))
-    warmup_ratio: float = _f(0.04, _in_range(0, 1))
-    weight_decay: float = _f(0.0, _ge(0))
-    grad_clip: float = _f(1.0, _gt(0))
-    grad_accum: int = _f(1, _ge(1))
-    num_anchors: int = _f(512, _ge(1))
-    gamma: Optional[float] = _f(None, _opt(_gt(0)))
+    epochs: int = checked(1, at_least(1))
+    lr: float = checked(6e-4, above(0))
+    warmup_ratio: float = checked(0.04, in_range(0, 1))
+    weight_decay: float = checked(0.0, at_least(0))
+    grad_clip: float = checked(1.0, above(0))
+    grad_accum: int = checked(1, at_least(1))
+    num_anchors: int = checked(512, at_least(1))
+    gamma: Optional[float] = checked(None, optional(above(0)))
     """Loss decay over block slots; None = 7 for block 16, 5 for 10, 4 for 8."""
-    checkpoint_every: int = _f(0, _ge(0))
+    checkpoint_every: int = checked(0, at_least(0))
     """Optimizer steps between checkpoints; 0 = only at the end and on signals."""
-    num_threads: int = _f(1, _ge(1))
+    num_threads: int = checked(1, at_least(1))
     """torch intra-op threads, the same in every actor and the reference (bit-identity)."""
 
 
 @dataclass(frozen=True)
 class TopologyConfig:
-    num_targets: int = _f(1, _ge(1))
-    num_drafters: int = _f(1, _ge(1))
+    num_targets: int = checked(1, at_least(1))
+    num_drafters: int = checked(1, at_least(1))
     target_devices: Optional[tuple[str, ...]] = None
     """None = cuda:0..N-1 when enough GPUs exist, else cpu."""
     drafter_devices: Optional[tuple[str, ...]] = None
@@ -190,21 +169,6 @@ class TopologyConfig:
             for d in devs or ():
                 if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
                     raise ConfigError(f"{name}: devices are 'cpu' or 'cuda:N' (got {d!r})")
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    run_dir: str = "runs/latest"
-    batch_slots: int = _f(4, _ge(1))
-    feature_slots: int = _f(4, _ge(1))
-    heartbeat_s: float = _f(0.5, _gt(0))
-    hang_timeout_s: float = _f(60.0, _gt(0))
-    max_restarts: int = _f(5, _ge(0))
-    restart_window_s: float = _f(60.0, _gt(0))
-    grace_s: float = _f(10.0, _ge(0))
-    """How long actors get to finish on shutdown before SIGTERM, then SIGKILL."""
-    start_timeout_s: float = _f(300.0, _gt(0))
-    """Spawn to Ready (imports, model loading) before an actor counts as hung."""
 
 
 @dataclass(frozen=True)
@@ -240,76 +204,6 @@ class Config:
         if sections is not None:
             d = {k: d[k] for k in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------
-# building from plain data, with type checks that name the key path
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], path)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{path}: must be one of {list(args)} (got {value!r})")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: must be a mapping (got {value!r})")
-        return _build(tp, value, path + ".")
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: must be a list (got {value!r})")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(f"{path}: must have {len(args)} entries (got {value!r})")
-        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        # YAML 1.1 reads "1e-3" (no dot) as a string; accept what float() accepts.
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp in (int, float, str, bool):
-        # bool is an int in Python; refuse it where a number is meant, and vice versa.
-        if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
-            raise ConfigError(f"{path}: must be {_type_name(tp)} (got {value!r})")
-        return value
-    raise TypeError(f"unsupported config type {tp!r} at {path}")
-
-
-def _build(cls, raw: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(fields))})")
-    kwargs = {}
-    for name, value in raw.items():
-        path = prefix + name
-        value = _coerce(value, hints[name], path)
-        check = fields[name].metadata.get("check")
-        problem = check(value) if check else None
-        if problem:
-            raise ConfigError(f"{path}: {problem} (got {value!r})")
-        kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        # __post_init__ messages name the field within the section; add the section.
-        raise ConfigError(f"{prefix}{e}") from None
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:
@@ -351,7 +245,7 @@ def config_from_dict(raw: dict | None) -> Config:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config: top level must be a mapping (got {type(raw).__name__})")
-    return _build(Config, raw)
+    return build(Config, raw)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
@@ -380,3 +274,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False)
+
+
+def add_config_args(ap: argparse.ArgumentParser) -> None:
+    """``--config``, ``--topology`` and ``--set``, the same in every command."""
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
+    ap.add_argument("--topology", help="N-M: N target actors, M drafter actors (e.g. 2-2)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace, *extra: str) -> Config:
+    """The config ``add_config_args`` describes, with ``extra`` overrides applied last."""
+    return load_config(args.config, [*args.overrides, *extra], topology=args.topology)

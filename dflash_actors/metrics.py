@@ -1,14 +1,16 @@
 """Per-batch and per-step training metrics in shared float64 tables.
 
-A drafter writes its batch's ``BlockStats`` into row b of ``batch_stats`` before it
+A drafter writes batch b's ``BlockStats`` into row b of ``batch_stats`` before it
 commits; the optimizer folds a step's rows in exactly the reference's order (each
 drafter's batches in increasing id, then drafters in order) into row s of
-``step_stats``. Python floats are float64, so the tables hold them exactly and the
-per-step loss can be compared bit for bit with the reference trainer.
+``step_stats``. Rows are batch ids and steps of the whole run (``schedule``); a resumed
+run leaves the rows before its resume point empty, and ``read_steps`` returns the
+steps this run took. Python floats are float64, so the tables hold them exactly and
+the per-step loss can be compared bit for bit with the reference trainer.
 
-    batch_stats [n_batches, 5 + 2*B]   blocks, accepted, sum(CE*w), sum(w), tokens,
-                                       slot_correct[B], slot_total[B]
-    step_stats  [n_steps, 7]           loss, tau, lr, grad_norm, tokens, time (unix), done (1.0)
+    batch_stats [total_batches, 5 + 2*B]   blocks, accepted, sum(CE*w), sum(w), tokens,
+                                           slot_correct[B], slot_total[B]
+    step_stats  [total_steps, 7]           loss, tau, lr, grad_norm, tokens, time (unix), done (1.0)
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def read_batch(table: torch.Tensor, row: int) -> tuple[BlockStats, int]:
     return stats, int(r[4])
 
 
-def fold_step(table: torch.Tensor, rows_by_drafter: list[list[int]]) -> tuple[BlockStats, int]:
+def fold_step(table: torch.Tensor, rows_by_drafter) -> tuple[BlockStats, int]:
     """Sum a step's batch stats in the reference's order; returns (stats, tokens)."""
     total, tokens = None, 0
     for rows in rows_by_drafter:

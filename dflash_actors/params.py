@@ -11,11 +11,11 @@ buffer and only then stores ``version = v+1``::
 
 A killed optimizer leaves at worst a half-written *inactive* buffer, which its
 replacement simply rebuilds from the active one. A replacement that finds the active
-state itself untrustworthy (``problem``: impossible version, non-finite values) asks
-the job to roll back to the last checkpoint instead (``rollback`` flag, read by the
-pipeline). Drafters only ever read buffer v%2 for
-the version their batch needs, and the optimizer cannot build v+1 before every drafter
-has finished with v (it needs all their gradients), so no reader meets a writer.
+state itself untrustworthy (``problem``: impossible version, non-finite values) makes
+the job roll back to its last checkpoint instead (``actors.optimizer.RollbackRequired``).
+Drafters only ever read buffer v%2 for the version their batch needs, and the optimizer
+cannot build v+1 before every drafter has finished with v (it needs all their
+gradients), so no reader meets a writer.
 
 Each drafter j accumulates the gradient of its batches of a step in its own pair of
 buffers, with a header naming the last batch included::
@@ -116,9 +116,15 @@ class WeightStore:
             for p, w in zip(params, self.layout.views(self.weights[version % 2])):
                 p.copy_(w, non_blocking=False)
 
+    def moments_flat(self, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """AdamW moments of ``version`` as flat ``[P]`` views of the shared buffers."""
+        if version != self.version:
+            raise RuntimeError(f"moments v{version} requested but v{self.version} is committed")
+        return self.exp_avg[version % 2], self.exp_avg_sq[version % 2]
+
     def moments(self, version: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        b = version % 2
-        return self.layout.views(self.exp_avg[b]), self.layout.views(self.exp_avg_sq[b])
+        """Per-parameter views of ``moments_flat``."""
+        return tuple(self.layout.views(t) for t in self.moments_flat(version))
 
     def publish(self, version: int, params: list[torch.Tensor], exp_avg: list[torch.Tensor] | None,
                 exp_avg_sq: list[torch.Tensor] | None) -> None:
@@ -166,6 +172,3 @@ class GradAccumulators:
             for dst, src in zip(self.layout.views(self.grads[j, b]), grads):
                 dst.copy_(src)
         self.head[j] = (batch_id + 1) * 2 + b
-
-    def reset(self) -> None:
-        self.head.zero_()

@@ -1,25 +1,23 @@
 """The single-process reference trainer: the oracle the actor pipeline must match bit
 for bit on CPU, and the lock-step baseline of the benchmarks.
 
-Order (M = ``topology.num_drafters``, A = ``train.grad_accum``), for each epoch e and
-each step s of it:
-  1. for drafter shard j = 0..M-1: zero the grads, then for every batch id
-     b in ``[s*A*M, (s+1)*A*M)`` with ``b % M == j``, in increasing b, add
-     ``grad(loss_b)`` into ``.grad`` by plain autograd accumulation (``shard_gradient``);
-  2. ``g = clone(g_0) + g_1 + ... + g_{M-1}`` in j order, ``g /= A*M``, clip to
-     ``train.grad_clip``, AdamW step, LR scheduler step (``reduce_and_step``).
-Batch ids are positions in ``plan_for(cfg, lengths, e)``; batches after the last full
-step of an epoch are dropped, so every step sees exactly A*M batches. The LR schedule
-spans ``total_steps`` = the sum of ``len(plan_e) // (A*M)`` over epochs. Every batch's
-loss uses the weights of the step it belongs to, and its anchors are seeded by
-``(train.seed, e, b, row)``: that is all the state the actors need to agree on.
+Order (M = ``topology.num_drafters``, A = ``train.grad_accum``), for each step s of the
+run (``schedule.Schedule``: one batch id space over all epochs):
+  1. for drafter shard j = 0..M-1: zero the grads, then for every batch id b in
+     ``Schedule.drafter_batches(s, j)``, in increasing b, add ``grad(loss_b)`` into
+     ``.grad`` by plain autograd accumulation (``shard_gradient``);
+  2. one step of the shared step math (``optim.reduce_and_step``): sum shards in j order,
+     average over A*M, clip, AdamW, LR scheduler.
+Batch b is position i of epoch e's plan (``Schedule.locate``); batches after the last
+full step of an epoch are dropped, so every step sees exactly A*M batches. Every
+batch's loss uses the weights of the step it belongs to, and its anchors are seeded by
+``(train.seed, e, i, row)``: that is all the state the actors need to agree on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,69 +25,29 @@ from pathlib import Path
 
 import torch
 
-from dflash_actors.batching import Batch, BatchBuffers, assemble, plan_for
-from dflash_actors.config import ConfigError, load_config
+from dflash_actors.batching import Batch, BatchBuffers, assemble
+from dflash_actors.config import ConfigError, add_config_args, config_from_args
 from dflash_actors.data import open_dataset
 from dflash_actors.models.drafter import DFlashDrafter, build_drafter
 from dflash_actors.models.loss import BlockStats, batch_loss, decay_gamma
 from dflash_actors.models.target import load_target
+from dflash_actors.optim import build_optimizer, build_scheduler, reduce_and_step
 from dflash_actors.preflight import train_path
-from dflash_actors.schedule import Schedule, batches_per_step
+from dflash_actors.schedule import Plans, Schedule
 
 
-def build_optimizer(params, cfg) -> torch.optim.AdamW:
-    """AdamW with torch's default betas and eps; weight decay from config (0 by default)."""
-    return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-
-
-def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
-    """Linear warmup over ``ceil(warmup_ratio * total)`` steps, then cosine to 0."""
-    warmup = math.ceil(warmup_ratio * total_steps)
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
-
-
-def build_scheduler(opt, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, total_steps, cfg.train.warmup_ratio))
-
-
-def step_batch_ids(cfg, step: int, shard: int) -> list[int]:
-    """Batch ids (within the epoch) that drafter ``shard`` sums at ``step``, in order."""
-    per, m = batches_per_step(cfg), cfg.topology.num_drafters
-    return [b for b in range(step * per, (step + 1) * per) if b % m == shard]
-
-
-def shard_gradient(drafter: DFlashDrafter, head, items, cfg, epoch: int) -> tuple[list[torch.Tensor], BlockStats]:
-    """One drafter shard's summed gradient over ``items`` = ``(batch_id, batch, features)``
+def shard_gradient(drafter: DFlashDrafter, head, items, cfg) -> tuple[list[torch.Tensor], BlockStats]:
+    """One drafter shard's summed gradient over ``items`` = ``(epoch, i, batch, features)``
     in increasing batch id: zeroed grads, then ``loss_b.backward()`` for each. ``items``
     may be a generator; each item is used before the next is drawn."""
     drafter.zero_grad(set_to_none=False)
     gamma, total = decay_gamma(cfg), None
-    for batch_id, batch, features in items:
+    for epoch, i, batch, features in items:
         loss, stats = batch_loss(drafter, head, features, batch, num_anchors=cfg.train.num_anchors,
-                                 gamma=gamma, seed=cfg.train.seed, epoch=epoch, batch_id=batch_id)
+                                 gamma=gamma, seed=cfg.train.seed, epoch=epoch, batch_id=i)
         loss.backward()
         total = stats if total is None else total + stats
     return [p.grad.clone() for p in drafter.parameters()], total
-
-
-def reduce_and_step(params: list[torch.Tensor], shard_grads: list[list[torch.Tensor]], opt, sched,
-                    cfg) -> float:
-    """Sum shard gradients in shard order, average over A*M batches, clip, step; returns
-    the pre-clip gradient norm."""
-    grads = [g.clone() for g in shard_grads[0]]
-    for shard in shard_grads[1:]:
-        for g, s in zip(grads, shard):
-            g.add_(s)
-    n = batches_per_step(cfg)
-    for p, g in zip(params, grads):
-        p.grad = g.div_(n)
-    norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-    opt.step()
-    sched.step()
-    return float(norm)
 
 
 @dataclass
@@ -106,14 +64,15 @@ class ReferenceResult:
         return self.tokens / max(self.wall_s, 1e-9)
 
 
-def _featured(dataset, plan, batch_ids, buf, target, device, result):
-    """``(b, batch, features)`` per id; one buffer, so each batch is assembled only
-    after the previous one has been used."""
+def _featured(schedule, plans, dataset, batch_ids, buf, target, device, result):
+    """``(epoch, i, batch, features)`` per batch id; one buffer, so each batch is
+    assembled only after the previous one has been used."""
     for b in batch_ids:
-        meta = assemble(dataset, plan.batch(b), buf)
+        epoch, i = schedule.locate(b)
+        meta = assemble(dataset, plans[epoch].batch(i), buf)
         batch = Batch.from_buffers(buf, meta).to(device)
         result.tokens += meta.n_tokens
-        yield b, batch, target.features(batch)
+        yield epoch, i, batch, target.features(batch)
 
 
 def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = True) -> ReferenceResult:
@@ -128,30 +87,30 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
     schedule = Schedule.from_config(cfg, dataset.lengths)
     n_steps = schedule.total_steps
     if n_steps == 0:
-        raise ConfigError(f"train: no full step fits an epoch (need {batches_per_step(cfg)} batches per step)")
-    opt = build_optimizer(params, cfg)
-    sched = build_scheduler(opt, cfg, n_steps)
+        raise ConfigError(f"train: no full step fits an epoch (need {schedule.per_step} batches per step)")
+    opt = build_optimizer(params, cfg.train)
+    sched = build_scheduler(opt, cfg.train, n_steps)
+    plans = Plans(cfg, dataset.lengths)
     buf = BatchBuffers.allocate(cfg.batching.token_budget, cfg.batching.max_samples)
     result = ReferenceResult(state_dict={})
     t0 = time.perf_counter()
-    for epoch in range(cfg.train.epochs):
-        plan = plan_for(cfg, dataset.lengths, epoch)
-        for step in range(schedule.steps_per_epoch[epoch]):
-            lr = opt.param_groups[0]["lr"]
-            shard_grads, stats = [], None
-            for j in range(cfg.topology.num_drafters):
-                items = _featured(dataset, plan, step_batch_ids(cfg, step, j), buf, target, device, result)
-                grads, st = shard_gradient(drafter, target, items, cfg, epoch)
-                shard_grads.append(grads)
-                stats = st if stats is None else stats + st
-            norm = reduce_and_step(params, shard_grads, opt, sched, cfg)
-            m = stats.metrics() | {"lr": lr, "grad_norm": norm, "epoch": epoch}
-            result.losses.append(m["loss"])
-            result.metrics.append(m)
-            result.steps += 1
-            if progress and (result.steps % 10 == 0 or result.steps == n_steps):
-                print(f"step {result.steps}/{n_steps} loss {m['loss']:.4f} tau {m['tau']:.3f} "
-                      f"lr {lr:.2e} |g| {norm:.3f}", file=sys.stderr, flush=True)
+    for step in range(n_steps):
+        lr = opt.param_groups[0]["lr"]
+        shard_grads, stats = [], None
+        for j in range(schedule.num_drafters):
+            items = _featured(schedule, plans, dataset, schedule.drafter_batches(step, j), buf, target, device,
+                              result)
+            grads, st = shard_gradient(drafter, target, items, cfg)
+            shard_grads.append(grads)
+            stats = st if stats is None else stats + st
+        norm = reduce_and_step(params, shard_grads, opt, sched, schedule.per_step, cfg.train.grad_clip)
+        m = stats.metrics() | {"lr": lr, "grad_norm": norm, "epoch": schedule.epoch_of_step(step)}
+        result.losses.append(m["loss"])
+        result.metrics.append(m)
+        result.steps += 1
+        if progress and (result.steps % 10 == 0 or result.steps == n_steps):
+            print(f"step {result.steps}/{n_steps} loss {m['loss']:.4f} tau {m['tau']:.3f} "
+                  f"lr {lr:.2e} |g| {norm:.3f}", file=sys.stderr, flush=True)
     result.wall_s = time.perf_counter() - t0
     result.state_dict = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
     if run_dir is not None:
@@ -171,19 +130,17 @@ def _summary(r: ReferenceResult) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_actors.reference",
                                  description="Train a drafter in one process, in the actor pipeline's exact order.")
-    ap.add_argument("--config", default=None)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--topology", default=None, metavar="N-M")
-    ap.add_argument("--run-dir", default=None)
+    add_config_args(ap)
+    ap.add_argument("--run-dir", default=None, help="where to save the drafter and reference.json")
     ap.add_argument("--eval", action="store_true", help="also report held-out simulated and real tau")
     ap.add_argument("--target-text", action="store_true",
                     help="train on the target's greedy completions of the training prompts (built once, cached)")
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides, args.topology)
+        cfg = config_from_args(args)
         if args.target_text:
             from dflash_actors.evaluate import ensure_target_text
-            cfg = load_config(args.config, args.overrides + [f"data.path={ensure_target_text(cfg)}"], args.topology)
+            cfg = config_from_args(args, f"data.path={ensure_target_text(cfg)}")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

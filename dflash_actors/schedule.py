@@ -1,15 +1,17 @@
-"""The run's batch schedule: global batch ids over all epochs, and who does what.
+"""The run's batch schedule: one batch id space over all epochs, and who does what.
 
 Every epoch is planned from ``(seed, epoch)``; its batches after the last full optimizer
 step are dropped (the reference does the same), so a step always consumes exactly
-``A*M`` batches and global batch ids run contiguously through the epochs::
+``A*M`` batches and batch ids run contiguously through the epochs::
 
-    global id g:   0 .. n_0-1 | n_0 .. n_0+n_1-1 | ...      n_e = steps_e * A * M
-    epoch, b   :   (0, 0..)   | (1, 0..)         | ...      b = position in plan_e
-    step       :   g // (A*M)     drafter: g % M     weights used: version = step
+    batch id b :   0 .. n_0-1 | n_0 .. n_0+n_1-1 | ...      n_e = steps_e * A * M
+    (epoch, i) :   (0, 0..)   | (1, 0..)         | ...      i = position in plan_e
+    step       :   b // (A*M)       drafter: b % M       weights used: version = step
 
-A resumed run starts at the first batch of its checkpoint's step; the ledger then covers
-ids ``[start, total)`` only (row r is batch ``start + r``).
+Batch b is row b of the ledger in every run, resumed or not (a resumed run starts at
+``first_of_step(version)``), and this class is the only place that turns a batch id
+into its epoch, step or drafter: the dispatcher, the drafters, the optimizer, the
+checkpoint and the reference all ask it.
 """
 
 from __future__ import annotations
@@ -21,20 +23,15 @@ import numpy as np
 from .batching import EpochPlan, plan_for
 
 
-def batches_per_step(cfg) -> int:
-    """A * M: the batches one optimizer step consumes."""
-    return cfg.train.grad_accum * cfg.topology.num_drafters
-
-
 @dataclass(frozen=True)
 class Schedule:
     per_step: int                 # A * M
-    num_drafters: int
+    num_drafters: int             # M
     steps_per_epoch: tuple[int, ...]
 
     @classmethod
     def from_config(cls, cfg, lengths: np.ndarray) -> "Schedule":
-        per = batches_per_step(cfg)
+        per = cfg.train.grad_accum * cfg.topology.num_drafters
         steps = tuple(len(plan_for(cfg, lengths, e)) // per for e in range(cfg.train.epochs))
         return cls(per, cfg.topology.num_drafters, steps)
 
@@ -46,32 +43,47 @@ class Schedule:
     def total_batches(self) -> int:
         return self.total_steps * self.per_step
 
-    def locate(self, g: int) -> tuple[int, int]:
-        """Global batch id -> (epoch, batch id within the epoch's plan)."""
+    def locate(self, b: int) -> tuple[int, int]:
+        """Batch id -> (epoch, position in that epoch's plan)."""
         first = 0
         for e, steps in enumerate(self.steps_per_epoch):
             n = steps * self.per_step
-            if g < first + n:
-                return e, g - first
+            if b < first + n:
+                return e, b - first
             first += n
-        raise IndexError(f"batch {g} is past the end of the run ({self.total_batches} batches)")
+        raise IndexError(f"batch {b} is past the end of the run ({self.total_batches} batches)")
 
-    def step_of(self, g: int) -> int:
-        return g // self.per_step
+    def epoch_of_step(self, step: int) -> int:
+        """The epoch step ``step`` belongs to (``len(steps_per_epoch)`` once all are done)."""
+        return self.locate(self.first_of_step(step))[0] if step < self.total_steps else len(self.steps_per_epoch)
 
-    def drafter_of(self, g: int) -> int:
-        return g % self.num_drafters
+    def step_of(self, b: int) -> int:
+        return b // self.per_step
 
-    def is_last_of_step(self, g: int) -> bool:
-        return (g + 1) % self.per_step == 0
+    def first_of_step(self, step: int) -> int:
+        """The first batch of ``step``: where a run resumed at weight version ``step``
+        starts, and the batch below which everything is committed once version
+        ``step`` is."""
+        return step * self.per_step
 
-    def is_first_for_drafter(self, g: int) -> bool:
-        """The drafter's first batch of its step (its accumulator starts from zero)."""
-        return g % self.per_step < self.num_drafters
+    def first_of_own_step(self, b: int) -> int:
+        return self.first_of_step(self.step_of(b))
 
-    def last_for_drafter(self, step: int, j: int) -> int:
-        """The last batch drafter j adds into its accumulator for ``step``."""
-        return (step + 1) * self.per_step - self.num_drafters + j
+    def drafter_of(self, b: int) -> int:
+        return b % self.num_drafters
+
+    def drafter_batches(self, step: int, j: int) -> range:
+        """The batches drafter j sums for ``step``, in the order it sums them."""
+        return range(self.first_of_step(step) + j, self.first_of_step(step + 1), self.num_drafters)
+
+    def previous_for_drafter(self, b: int) -> int | None:
+        """The batch drafter ``drafter_of(b)`` adds just before b in the same step (None:
+        b is its first, so its running sum starts from zero)."""
+        prev = b - self.num_drafters
+        return prev if prev >= self.first_of_own_step(b) else None
+
+    def is_last_of_step(self, b: int) -> bool:
+        return b == self.first_of_step(self.step_of(b) + 1) - 1
 
 
 class Plans:

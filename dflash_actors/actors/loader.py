@@ -12,20 +12,31 @@ Contract:
 
 from __future__ import annotations
 
-from ..batching import assemble
+from dataclasses import dataclass
+
+from ..batching import BatchBuffers, assemble
+from ..config import Config
 from ..data import open_dataset
-from ..schedule import Plans
-from .base import Actor
+from ..runtime.actor import Actor
+from ..schedule import Plans, Schedule
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    cfg: Config
+    schedule: Schedule
+    train_path: str
 
 
 class Loader(Actor):
+    spec: LoaderSpec
+
     def attach(self) -> None:
-        a = self.ctx.args
-        self.cfg, self.schedule, self.start = a["cfg"], a["schedule"], a["start"]
-        self.dataset = open_dataset(self.cfg.data, progress=False, path=a["train_path"])
-        self.plans = Plans(self.cfg, self.dataset.lengths)
+        self.dataset = open_dataset(self.spec.cfg.data, progress=False, path=self.spec.train_path)
+        self.plans = Plans(self.spec.cfg, self.dataset.lengths)
 
     def work(self, w) -> None:
-        epoch, b = self.schedule.locate(self.start + w.batch_id)
-        meta = assemble(self.dataset, self.plans[epoch].batch(b), self.out_ring.batch_buffers(w.out_slot))
-        self.ledger.set_meta(w.batch_id, meta)
+        epoch, i = self.spec.schedule.locate(w.batch_id)
+        out = BatchBuffers.from_tensors(self.out_ring.slot(w.out_slot))
+        meta = assemble(self.dataset, self.plans[epoch].batch(i), out)
+        self.ledger.set_meta(w.batch_id, meta.as_ints())

@@ -4,7 +4,7 @@ Contract:
   consumes  ``Work(b)`` for LOADED batches (any free target takes the next one, so
             targets run as far ahead of the drafters as the feature ring allows)
   produces  feature slot ``out_slot``: the batch's packed fields copied over (so the
-            batch slot can be freed) plus ``hidden[:T]`` = the selected layers'
+            batch slot can be freed) plus the features ``[:T]`` = the selected layers'
             outputs, concatenated; the base then commits FEATURED
   waits for a free feature slot (reserved by the supervisor before dispatch)
   on restart reloads the target; whatever it held is put back to LOADED, its batch slot
@@ -13,34 +13,40 @@ Contract:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..batching import Batch
+from ..batching import FEATURES, Batch, BatchBuffers, BatchMeta, copy_batch
+from ..config import Config
 from ..models.target import load_target
-from .base import Actor
+from ..runtime.actor import Actor
 
-BATCH_FIELDS = ("input_ids", "position_ids", "loss_mask", "cu_seqlens", "sample_ids")
+
+@dataclass(frozen=True)
+class TargetSpec:
+    cfg: Config
+    devices: tuple[str, ...]
+    """Target i runs on ``devices[i]``."""
 
 
 class Target(Actor):
+    spec: TargetSpec
+
     def attach(self) -> None:
-        a = self.ctx.args
-        self.device = torch.device(a["devices"][self.ctx.index])
+        self.device = torch.device(self.spec.devices[self.ctx.index])
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = load_target(a["cfg"], self.device)
+        self.model = load_target(self.spec.cfg, self.device)
         self.in_ring.pin()
         self.out_ring.pin()
 
     def work(self, w) -> None:
-        meta = self.ledger.meta(w.batch_id)
+        meta = BatchMeta(*self.ledger.meta(w.batch_id))
         src, dst = self.in_ring.slot(w.in_slot), self.out_ring.slot(w.out_slot)
-        T, B = meta.n_tokens, meta.n_samples
-        for name in BATCH_FIELDS:
-            n = B + 1 if name == "cu_seqlens" else B if name == "sample_ids" else T
-            dst[name][:n].copy_(src[name][:n])
-        batch = Batch.from_buffers(self.in_ring.batch_buffers(w.in_slot), meta)
+        copy_batch(src, dst, meta)
+        batch = Batch.from_buffers(BatchBuffers.from_tensors(src), meta)
         features = self.model.features(batch.to(self.device, non_blocking=True))
-        dst["hidden"][:T].copy_(features)
+        dst[FEATURES][:meta.n_tokens].copy_(features)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # the slot must be complete before the commit

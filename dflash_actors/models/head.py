@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from .target import build_target_layer_ids, ensure_target, load_target, resolve_dtype
+from .target import build_target_layer_ids, ensure_target, is_hf_dir, load_target, resolve_dtype
 
 EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
 HEAD_KEYS = ("lm_head.weight",)
@@ -90,7 +90,7 @@ def target_info(cfg, device: str | torch.device = "cpu") -> TargetInfo:
     build drafters but never run the target). GGUF targets have no config.json: their
     shape comes from loading the head."""
     path = ensure_target(cfg)
-    if cfg.target.gguf_file is None and (path / "config.json").is_file():
+    if is_hf_dir(cfg, path):
         config = target_config(path)
         return TargetInfo(config, config.vocab_size, layer_ids_for(cfg, config), torch.device(device))
     return load_head(cfg, device)
@@ -101,7 +101,7 @@ def load_head(cfg, device: str | torch.device = "cpu") -> TargetHead:
     device = torch.device(device)
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
-    if cfg.target.gguf_file is None and (path / "config.json").is_file():
+    if is_hf_dir(cfg, path):
         config = target_config(path)
         found = _find_tensors(path, EMBED_KEYS + HEAD_KEYS)
         embed_key = next((k for k in EMBED_KEYS if k in found), None)

@@ -54,7 +54,7 @@ class _Stop(Exception):
 class TargetModel:
     """A frozen HF causal LM that yields concatenated layer features."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], source: str):
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         self.config = cfg
@@ -69,9 +69,6 @@ class TargetModel:
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self.device = self.embed_tokens.weight.device
         self.dtype = self.embed_tokens.weight.dtype
-        self.fingerprint = hashlib.sha256(json.dumps(
-            [source, cfg.to_dict(), self.layer_ids, str(self.dtype)], sort_keys=True, default=str
-        ).encode()).hexdigest()[:16]
         self._decoder = model.get_decoder()
 
     @torch.no_grad()
@@ -125,6 +122,12 @@ def _package_dir(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def is_hf_dir(cfg, path: Path) -> bool:
+    """Whether the target is a plain HF directory (``config.json`` + safetensors) rather
+    than GGUF, whose shape and weights are known only by loading the whole model."""
+    return cfg.target.gguf_file is None and (path / "config.json").is_file()
+
+
 def load_target(cfg, device: str | torch.device = "cpu") -> TargetModel:
     """The target ``cfg.target`` names, frozen on ``device``.
 
@@ -137,9 +140,10 @@ def load_target(cfg, device: str | torch.device = "cpu") -> TargetModel:
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
     gguf_file = cfg.target.gguf_file
-    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if gguf_file is None and not (path / "config.json").is_file() and len(ggufs) == 1:
-        gguf_file = ggufs[0].name
+    if gguf_file is None and not is_hf_dir(cfg, path):
+        ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+        if len(ggufs) == 1:
+            gguf_file = ggufs[0].name
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
@@ -148,7 +152,7 @@ def load_target(cfg, device: str | torch.device = "cpu") -> TargetModel:
     model.to(device)
     n = int(model.config.num_hidden_layers)
     ids = list(cfg.drafter.target_layer_ids or build_target_layer_ids(n, cfg.drafter.num_layers))
-    return TargetModel(model, ids, source=str(path) if cfg.target.path else f"tiny:{Path(path).name}")
+    return TargetModel(model, ids)
 
 
 # ---------------------------------------------------------------------------

@@ -2,16 +2,16 @@
 
 import signal
 
-from runtime_helpers import Striker, assert_exactly_once, events, runtime
+from support.runtime import Striker, assert_exactly_once, events, runtime
+from support.toy import toy_job
 
-from dflash_actors.actors.toy import toy_job
-from dflash_actors.supervisor import JobState
+from dflash_actors.runtime.supervisor import JobState
 
 HANG_S = 4.0
 
 
 def test_sigstopped_target_is_killed_and_replaced(tmp_path):
-    sup = toy_job(runtime(tmp_path, hang_timeout_s=HANG_S), n_batches=150, stages=3, work_s=0.02)
+    sup, results = toy_job(runtime(tmp_path, hang_timeout_s=HANG_S), n_batches=150, stages=3, work_s=0.02)
     striker = Striker(sup, ["target.0"], sig=signal.SIGSTOP)
     striker.start()
     result = sup.run()
@@ -19,7 +19,7 @@ def test_sigstopped_target_is_killed_and_replaced(tmp_path):
     assert striker.error is None, striker.error
     assert len(striker.strikes) == 1
     assert result.state is JobState.DONE
-    assert_exactly_once(sup, result, 150)
+    assert_exactly_once(sup, results, result, 150)
     hangs = events(tmp_path / "run", "hang")
     assert [h["actor"] for h in hangs] == ["target.0"], "a healthy actor was called hung, or none was"
     waited = hangs[0]["mono"] - striker.strikes[0]["mono"]
@@ -32,7 +32,7 @@ def test_sigstopped_target_is_killed_and_replaced(tmp_path):
 
 def test_slow_step_that_beats_is_not_a_hang(tmp_path):
     # Each item takes longer than hang_timeout_s, but the toy actors beat while working.
-    sup = toy_job(runtime(tmp_path, hang_timeout_s=1.0), n_batches=3, stages=2, work_s=1.5)
+    sup, results = toy_job(runtime(tmp_path, hang_timeout_s=1.0), n_batches=3, stages=2, work_s=1.5)
     result = sup.run()
     assert result.state is JobState.DONE
     assert not events(tmp_path / "run", "hang")

@@ -3,29 +3,29 @@
 import random
 
 import pytest
-from runtime_helpers import Striker, assert_exactly_once, events, runtime
+from support.runtime import Striker, assert_exactly_once, events, runtime
+from support.toy import toy_job
 
-from dflash_actors.actors.toy import toy_job
-from dflash_actors.supervisor import JobState
+from dflash_actors.runtime.supervisor import JobState
 
 
 def _kill_run(tmp_path, plan, n, **job):
-    sup = toy_job(runtime(tmp_path, max_restarts=len(plan)), n_batches=n, **job)
+    sup, results = toy_job(runtime(tmp_path, max_restarts=len(plan)), n_batches=n, **job)
     striker = Striker(sup, plan)
     striker.start()
     result = sup.run()
     striker.join(5)
     assert striker.error is None, striker.error
-    return sup, result, striker
+    return sup, results, result, striker
 
 
 def test_kill9_each_role_mid_batch_twice(tmp_path):
     plan = ["loader.0", "target.0", "drafter.0"] * 2
-    sup, result, striker = _kill_run(tmp_path, plan, n=120, stages=3, work_s=0.03)
+    sup, results, result, striker = _kill_run(tmp_path, plan, n=120, stages=3, work_s=0.03)
     assert [s["actor"] for s in striker.strikes] == plan, "the job ended before every kill landed"
     assert result.state is JobState.DONE
     assert result.committed == list(range(120))   # one ordered drafter: exact order, no gap, no repeat
-    assert_exactly_once(sup, result, 120)
+    assert_exactly_once(sup, results, result, 120)
     assert result.restarts == {"loader.0": 2, "target.0": 2, "drafter.0": 2}
     died = events(tmp_path / "run", "died")
     assert [d["actor"] for d in died] == plan
@@ -38,10 +38,10 @@ def test_kill9_each_role_mid_batch_twice(tmp_path):
 
 def test_kill9_producer_and_consumer_of_two_stage_ring(tmp_path):
     plan = ["drafter.0", "loader.0", "drafter.0", "loader.0"]
-    sup, result, striker = _kill_run(tmp_path, plan, n=100, stages=2, work_s=0.03)
+    sup, results, result, striker = _kill_run(tmp_path, plan, n=100, stages=2, work_s=0.03)
     assert len(striker.strikes) == len(plan)
     assert result.state is JobState.DONE and result.committed == list(range(100))
-    assert_exactly_once(sup, result, 100)
+    assert_exactly_once(sup, results, result, 100)
 
 
 @pytest.mark.chaos
@@ -49,7 +49,7 @@ def test_chaos_random_kills_with_parallel_actors(tmp_path):
     rng = random.Random(1234)
     roles = ["loader.0", "target.0", "target.1", "drafter.0", "drafter.1"]
     plan = [rng.choice(roles) for _ in range(25)]
-    sup = toy_job(runtime(tmp_path, max_restarts=30, restart_window_s=600), n_batches=1500, stages=3,
+    sup, results = toy_job(runtime(tmp_path, max_restarts=30, restart_window_s=600), n_batches=1500, stages=3,
                   work_s=0.02, n_targets=2, n_drafters=2)
     striker = Striker(sup, plan, wait_replacement=False, timeout=120)
     striker.start()
@@ -58,6 +58,6 @@ def test_chaos_random_kills_with_parallel_actors(tmp_path):
     assert striker.error is None, striker.error
     assert len(striker.strikes) == len(plan)
     assert result.state is JobState.DONE
-    assert_exactly_once(sup, result, 1500)
+    assert_exactly_once(sup, results, result, 1500)
     for j in range(2):
         assert [b for b in result.committed if b % 2 == j] == list(range(j, 1500, 2))

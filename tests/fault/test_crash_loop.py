@@ -4,12 +4,12 @@ one line naming the actor, the exception and where it was raised, and exits non-
 import subprocess
 import sys
 
-from runtime_helpers import ROOT, events
+from support.runtime import ROOT, events
 
 
 def test_raise_on_start_stops_the_job_after_max_restarts(tmp_path):
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "dflash_actors.actors.toy", "--run-dir", str(run_dir),
+    p = subprocess.run([sys.executable, "-m", "tests.support.toy", "--run-dir", str(run_dir),
                         "--batches", "20", "--fail-on-start", "target", "--set", "runtime.max_restarts=2",
                         "--set", "runtime.restart_window_s=120"],
                        cwd=ROOT, capture_output=True, text=True, timeout=240)

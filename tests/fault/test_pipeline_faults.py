@@ -10,10 +10,10 @@ import time
 
 import psutil
 import pytest
-from runtime_helpers import all_gone
 from support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, losses, small_config
+from support.runtime import all_gone
 
-from dflash_actors.checkpoint import PAUSE_ENV, latest_checkpoint, load_trainer_state
+from dflash_actors.checkpoint import latest_checkpoint, load_trainer_state
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.pipeline import Job
 from dflash_actors.reference import train_reference
@@ -34,7 +34,11 @@ def read_status(run_dir):
 
 
 def steps_done(job) -> int:
-    return int(job.shared["step_stats"][:, -1].sum())
+    return int(job.shared.step_stats[:, -1].sum())
+
+
+# tests/support/inject/sitecustomize.py stalls every checkpoint write this long.
+SLOW_CHECKPOINTS = {"PYTHONPATH": str(ROOT / "tests/support/inject"), "DFLASH_TEST_CHECKPOINT_PAUSE_S": "2"}
 
 
 class Killer(threading.Thread):
@@ -111,7 +115,7 @@ def _launch(cache_dir, run_dir, *extra, env=None, resume=False):
 def test_kill_whole_job_during_checkpoint_then_resume(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
-    sup = _launch(cache_dir, run_dir, "train.checkpoint_every=3", env={PAUSE_ENV: "2"})
+    sup = _launch(cache_dir, run_dir, "train.checkpoint_every=3", env=SLOW_CHECKPOINTS)
     try:
         end = time.monotonic() + 240
         while time.monotonic() < end and not list(ckpts.glob(".tmp-step-0000006-*")):
@@ -188,9 +192,10 @@ def test_untrustworthy_optimizer_state_rolls_back_to_the_last_checkpoint(cache_d
             time.sleep(0.02)
         pid = read_status(tmp_path / "run")["actors"]["optimizer.0"]["pid"]
         os.kill(pid, signal.SIGSTOP)            # no step may land between corruption and kill
-        job.store.weights[:, :8] = float("nan")  # both buffers: whichever is committed is bad
+        weights = job.shared.weights
+        weights.weights[:, :8] = float("nan")  # both buffers: whichever is committed is bad
         os.kill(pid, signal.SIGKILL)
-        struck["at_step"] = job.store.version
+        struck["at_step"] = weights.version
 
     t = threading.Thread(target=strike, daemon=True)
     t.start()
@@ -202,6 +207,9 @@ def test_untrustworthy_optimizer_state_rolls_back_to_the_last_checkpoint(cache_d
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert len(rollbacks) == 1 and "non-finite" in rollbacks[0]["reason"]
     assert rollbacks[0]["to"] == f"step-{result.summary['resumed_from']:07d}"
+    assert result.summary["rollbacks"] == 1
+    raised = [e for e in events if e["event"] == "raise"]
+    assert [e["actor"] for e in raised] == ["optimizer.0"] and "RollbackRequired" in raised[0]["reason"]
     assert 3 <= result.summary["resumed_from"] <= struck["at_step"]
     ref = train_reference(cfg, progress=False)
     assert_same_weights(final_weights(tmp_path / "run"), ref.state_dict)

@@ -8,12 +8,12 @@ import sys
 import time
 
 import psutil
-from runtime_helpers import ROOT, all_gone
+from support.runtime import ROOT, all_gone
 
 
 def test_children_die_with_a_killed_supervisor(tmp_path):
     run_dir = tmp_path / "run"
-    sup = subprocess.Popen([sys.executable, "-m", "dflash_actors.actors.toy", "--run-dir", str(run_dir),
+    sup = subprocess.Popen([sys.executable, "-m", "tests.support.toy", "--run-dir", str(run_dir),
                             "--batches", "100", "--work-s", "30"], cwd=ROOT)
     status, pids = run_dir / "status.json", []
     try:

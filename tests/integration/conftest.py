@@ -1,1 +1,1 @@
-from leakcheck import no_leaks  # noqa: F401  (autouse fixture for every test here)
+from support.leakcheck import no_leaks  # noqa: F401  (autouse fixture for every test here)

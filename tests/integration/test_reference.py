@@ -1,5 +1,4 @@
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +9,7 @@ from dflash_actors.config import load_config
 from dflash_actors.data import open_dataset
 from dflash_actors.evaluate import ensure_target_text, evaluate_drafter
 from dflash_actors.models.drafter import DFlashDrafter
-from dflash_actors.reference import lr_factor, main, step_batch_ids, train_reference
-from dflash_actors.schedule import Schedule
+from dflash_actors.reference import main, train_reference
 from dflash_actors.synthetic import flatten, write_token_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,15 +28,6 @@ def cfg_with(cache, *extra, topology=None):
 
 def same_state(a, b):
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_schedule_and_step_layout(cache):
-    assert [round(lr_factor(s, 10, 0.2), 4) for s in (0, 1, 2, 6)] == [0.5, 1.0, 1.0, 0.5]
-    assert lr_factor(9, 10, 0.2) == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
-    cfg = cfg_with(cache, "train.grad_accum=2", topology="1-3")
-    assert step_batch_ids(cfg, 1, 0) == [6, 9] and step_batch_ids(cfg, 1, 2) == [8, 11]
-    lengths = np.full(100, 64, np.int32)            # 32 per batch: 4 batches, one step of 6 fits none
-    assert Schedule.from_config(cfg_with(cache, "train.epochs=3", "train.grad_accum=2"), lengths).total_steps == 3 * 2
 
 
 def test_same_seed_runs_are_bit_identical(cache, tmp_path):

@@ -8,29 +8,29 @@ import threading
 import time
 
 import psutil
-from runtime_helpers import assert_exactly_once, events, runtime
+from support.runtime import assert_exactly_once, events, runtime
+from support.toy import toy_job
 
-from dflash_actors.actors.toy import toy_job
-from dflash_actors.supervisor import JobState
+from dflash_actors.runtime.supervisor import JobState
 
 
 def test_producer_consumer_moves_real_tensors_in_order(tmp_path):
-    sup = toy_job(runtime(tmp_path, batch_slots=3), n_batches=40, stages=2)
+    sup, results = toy_job(runtime(tmp_path, batch_slots=3), n_batches=40, stages=2)
     result = sup.run()
     assert result.state is JobState.DONE and result.exit_code == 0
     assert result.committed == list(range(40))       # one ordered consumer: exact order
-    assert_exactly_once(sup, result, 40)
+    assert_exactly_once(sup, results, result, 40)
     kinds = [e["event"] for e in events(tmp_path / "run")]
     assert kinds.count("spawn") == 2 and kinds.count("ready") == 2 and kinds[-1] == "end"
     assert "died" not in kinds
 
 
 def test_three_stage_chain_with_parallel_targets_and_drafters(tmp_path):
-    sup = toy_job(runtime(tmp_path, batch_slots=4, feature_slots=3), n_batches=60, stages=3,
+    sup, results = toy_job(runtime(tmp_path, batch_slots=4, feature_slots=3), n_batches=60, stages=3,
                   n_targets=2, n_drafters=2)
     result = sup.run()
     assert result.state is JobState.DONE
-    assert_exactly_once(sup, result, 60)
+    assert_exactly_once(sup, results, result, 60)
     for j in range(2):   # drafter j gets b % 2 == j, in increasing b
         assert [b for b in result.committed if b % 2 == j] == list(range(j, 60, 2))
     status = json.loads((tmp_path / "run" / "status.json").read_text())
@@ -40,7 +40,7 @@ def test_three_stage_chain_with_parallel_targets_and_drafters(tmp_path):
 
 
 def test_status_file_shows_live_pids_and_ring_occupancy(tmp_path):
-    sup = toy_job(runtime(tmp_path), n_batches=400, stages=3, work_s=0.01)
+    sup, results = toy_job(runtime(tmp_path), n_batches=400, stages=3, work_s=0.01)
     seen = {}
 
     def watch():
@@ -73,8 +73,7 @@ def test_status_file_shows_live_pids_and_ring_occupancy(tmp_path):
 
 
 def test_sigterm_drains_in_flight_work_and_calls_the_stop_hook(tmp_path):
-    stops = []
-    sup = toy_job(runtime(tmp_path), n_batches=10_000, stages=3, work_s=0.01, on_stop=stops.append)
+    sup, results = toy_job(runtime(tmp_path), n_batches=10_000, stages=3, work_s=0.01)
 
     def term_after_progress():
         end = time.monotonic() + 60
@@ -85,7 +84,7 @@ def test_sigterm_drains_in_flight_work_and_calls_the_stop_hook(tmp_path):
     threading.Thread(target=term_after_progress, daemon=True).start()
     result = sup.run()
     assert result.state is JobState.STOPPED and result.reason == "SIGTERM" and result.exit_code != 0
-    assert stops == ["SIGTERM"]
+    assert [e["reason"] for e in events(tmp_path / "run", "stopping")] == ["SIGTERM"]
     assert 20 <= len(result.committed) < 10_000
     # Every actor finished the Work it had been sent and exited 0 on Stop: nothing in flight.
     held = (sup.ledger.table[:, 3] != -1).nonzero().flatten().tolist()
@@ -98,7 +97,7 @@ def test_sigterm_drains_in_flight_work_and_calls_the_stop_hook(tmp_path):
 def test_stop_escalates_to_sigkill_for_an_actor_that_cannot_stop(tmp_path):
     # A stopped actor reads no Stop and ignores SIGTERM. The grace period is long, but a
     # second SIGTERM, like a second Ctrl-C, cuts it short.
-    sup = toy_job(runtime(tmp_path, grace_s=120.0), n_batches=10_000, stages=3, work_s=0.01)
+    sup, results = toy_job(runtime(tmp_path, grace_s=120.0), n_batches=10_000, stages=3, work_s=0.01)
 
     def freeze_then_signal_twice():
         end = time.monotonic() + 60

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dflash_actors.channels import FieldSpec, Ring, RingSpec
+from dflash_actors.runtime.channels import FieldSpec, Ring, RingSpec
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -1,28 +1,44 @@
-"""Ledger and dispatcher without processes: actors are simulated by committing rows."""
+"""The dispatcher without processes: actors are simulated by committing ledger rows."""
 
+import enum
 import random
 
 import pytest
 
-from dflash_actors.actors.base import Actor
-from dflash_actors.channels import RingSpec
-from dflash_actors.dispatch import Dispatcher, ProtocolError, Stage
-from dflash_actors.ledger import Col, Ledger, State
+from dflash_actors.runtime.actor import Actor
+from dflash_actors.runtime.channels import FieldSpec, RingSpec
+from dflash_actors.runtime.dispatch import Dispatcher, ProtocolError, Stage, in_order
+from dflash_actors.runtime.ledger import Col, Ledger
 
 
-def _setup(n, batch_slots=2, feature_slots=2, targets=1, drafters=1, credit=2):
-    stages = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", credit=credit),
-              Stage("target", Actor, State.LOADED, State.FEATURED, count=targets, in_ring="batch",
-                    out_ring="features", credit=credit),
-              Stage("drafter", Actor, State.FEATURED, State.COMMITTED, count=drafters, in_ring="features",
-                    ordered=True, credit=credit)]
-    rings = [RingSpec.batch("batch", batch_slots, 8, 2),
-             RingSpec.features("features", feature_slots, 8, 2, 4, "float32")]
+class State(enum.IntEnum):
+    PLANNED = 0
+    LOADED = 1
+    FEATURED = 2
+    COMMITTED = 3
+
+
+def _ring(name, n_slots):
+    return RingSpec(name, n_slots, (FieldSpec("x", (8,), "int64"),))
+
+
+def _members(stages):
     members, n_actor = {}, 0
     for i, s in enumerate(stages):
         for k in range(s.count):
             members[n_actor] = (i, k)
             n_actor += 1
+    return members
+
+
+def _setup(n, batch_slots=2, feature_slots=2, targets=1, drafters=1, credit=2, route=None):
+    stages = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", credit=credit),
+              Stage("target", Actor, State.LOADED, State.FEATURED, count=targets, in_ring="batch",
+                    out_ring="features", credit=credit),
+              Stage("drafter", Actor, State.FEATURED, State.COMMITTED, count=drafters, in_ring="features",
+                    route=route or (lambda b: b % drafters), credit=credit)]
+    rings = [_ring("batch", batch_slots), _ring("features", feature_slots)]
+    members = _members(stages)
     ledger = Ledger.allocate(n)
     d = Dispatcher(stages, rings, ledger, members)
     for a in members:
@@ -74,16 +90,16 @@ def test_every_batch_once_in_order_per_drafter_even_with_deaths(kill_every, seed
 def test_death_before_commit_puts_back_and_frees_the_reserved_slot():
     d, ledger, stages = _setup(4)
     sent = d.dispatch()
-    assert [(a, w.batch_id, w.attempt, w.out_slot) for a, w in sent] == [(0, 0, 1, 0), (0, 1, 1, 1)]
+    assert [(a, w.batch_id, w.out_slot) for a, w in sent] == [(0, 0, 0), (0, 1, 1)]
     assert d.occupancy()["batch"]["used"] == 2
     settled, put_back = d.on_death(0)
     assert (settled, put_back) == ([], [0, 1])
     assert d.occupancy()["batch"]["used"] == 0
-    assert ledger.get(0, Col.OWNER) == -1 and ledger.state(0) is State.PLANNED
+    assert ledger.get(0, Col.OWNER) == -1 and ledger.state(0) == State.PLANNED
     assert d.dispatch() == []               # the dead actor is not ready yet
     d.on_ready(0)
     again = d.dispatch()
-    assert [(w.batch_id, w.attempt) for _, w in again] == [(0, 2), (1, 2)]
+    assert [(w.batch_id, w.out_slot) for _, w in again] == [(0, 0), (1, 1)]
 
 
 def test_death_after_commit_settles_instead_of_redoing():
@@ -126,84 +142,93 @@ def test_slots_go_to_the_lowest_batch_first():
     assert [b for r, b in order if r == "drafter"] == list(range(6))
 
 
+def test_a_route_other_than_modulo_is_followed_and_survives_deaths():
+    # Blocks of three: batches 0-2 to drafter 0, 3-5 to drafter 1, 6-8 to drafter 0, ...
+    route = lambda b: (b // 3) % 2   # noqa: E731
+    d, ledger, stages = _setup(30, batch_slots=3, feature_slots=3, targets=2, drafters=2, route=route)
+    _drive(d, ledger, stages, random.Random(5), kill_every=4)
+    for j in range(2):
+        assert [b for b in d.committed if route(b) == j] == [b for b in range(30) if route(b) == j]
+
+
+def test_after_commit_holds_a_stage_until_earlier_batches_are_final():
+    """A stage gated on the final state: batches of "step" k (4 ids each) go out only
+    once every batch of the steps before is committed."""
+    stages = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", credit=8),
+              Stage("worker", Actor, State.LOADED, State.FEATURED, in_ring="batch", route=in_order, credit=8,
+                    after_commit=lambda b: b - b % 4),
+              Stage("sink", Actor, State.FEATURED, State.COMMITTED, route=in_order, credit=8)]
+    ledger = Ledger.allocate(12)
+    d = Dispatcher(stages, [_ring("batch", 12)], ledger, _members(stages))
+    for a in (0, 1, 2):
+        d.on_ready(a)
+    for _, w in d.dispatch():                 # load everything
+        ledger.commit(w.batch_id, State.LOADED)
+        d.on_done(0, w.batch_id)
+    sent = [w.batch_id for a, w in d.dispatch() if a == 1]
+    assert sent == [0, 1, 2, 3]               # step 0 only
+    for b in sent:
+        ledger.commit(b, State.FEATURED)
+        d.on_done(1, b)
+    sink = [w.batch_id for a, w in d.dispatch() if a == 2]
+    assert sink == [0, 1, 2, 3]
+    for b in sink[:3]:
+        ledger.commit(b, State.COMMITTED)
+        d.on_done(2, b)
+    assert d.dispatch() == []                 # batch 3 not final yet: step 1 waits
+    ledger.commit(3, State.COMMITTED)
+    d.on_done(2, 3)
+    assert [w.batch_id for a, w in d.dispatch() if a == 1] == [4, 5, 6, 7]
+
+
 def test_done_that_the_ledger_contradicts_is_a_protocol_error():
     d, ledger, stages = _setup(2)
     d.dispatch()
-    with pytest.raises(ProtocolError, match="ledger says PLANNED"):
+    with pytest.raises(ProtocolError, match="Done for loaded but the ledger says planned"):
         d.on_done(0, 0)
     with pytest.raises(ProtocolError, match="does not hold"):
         d.on_done(1, 0)
 
 
 def test_stages_must_chain():
-    rings = [RingSpec.batch("batch", 1, 8, 2)]
+    rings = [_ring("batch", 1)]
     bad = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch"),
            Stage("drafter", Actor, State.FEATURED, State.COMMITTED, in_ring="batch")]
     with pytest.raises(ValueError, match="does not consume"):
         Dispatcher(bad, rings, Ledger.allocate(1), {0: (0, 0), 1: (1, 0)})
 
 
-def test_ledger_resumes_from_recorded_states():
-    ledger = Ledger.allocate(4)
-    ledger.commit(0, State.COMMITTED)
-    ledger.commit(1, State.COMMITTED)
-    d = Dispatcher([Stage("loader", Actor, State.PLANNED, State.COMMITTED, ordered=True)], [], ledger, {0: (0, 0)})
+def test_a_resumed_ledger_dispatches_only_what_is_left():
+    ledger = Ledger.allocate(6, initial=State.PLANNED, done=State.COMMITTED, done_below=2)
+    d = Dispatcher([Stage("loader", Actor, State.PLANNED, State.COMMITTED, route=in_order, credit=10)], [], ledger,
+                   {0: (0, 0)})
+    assert d.remaining() == 4 and not d.finished()
     d.on_ready(0)
-    assert [w.batch_id for _, w in d.dispatch()] == [2, 3]
-    assert ledger.counts() == {"planned": 2, "loaded": 0, "featured": 0, "grad_done": 0, "committed": 2}
+    assert [w.batch_id for _, w in d.dispatch()] == [2, 3, 4, 5]
+    assert ledger.counts(4) == [4, 0, 0, 2]
 
 
-def test_batch_ring_slots_are_exactly_batch_buffers():
-    from dflash_actors.batching import BatchBuffers
-    from dflash_actors.channels import Ring
-    ring = Ring.allocate(RingSpec.batch("batch", 2, 16, 3))
-    ref = BatchBuffers.allocate(16, 3)
-    view = ring.batch_buffers(1)
-    for name in ("input_ids", "position_ids", "loss_mask", "cu_seqlens", "sample_ids"):
-        assert getattr(view, name).shape == getattr(ref, name).shape
-        assert getattr(view, name).dtype == getattr(ref, name).dtype
-    view.input_ids[:] = 7
-    assert int(ring.tensors["input_ids"][1].sum()) == 7 * 16 and int(ring.tensors["input_ids"][0].sum()) == 0
-    assert ring.tensors["input_ids"].is_shared()
-    assert ring.nbytes == 2 * RingSpec.batch("b", 1, 16, 3).slot_bytes
-
-
-def test_ring_placement_needs_one_shared_gpu():
-    from dflash_actors.channels import placement
-    assert placement("cpu", "cpu") == "cpu"
-    assert placement("cuda:0", "cuda:1") == "cpu"
-    import torch
-    assert placement("cuda:0", "cuda:0") == ("cuda:0" if torch.cuda.is_available() else "cpu")
-
-
-def test_rings_are_shaped_by_the_config():
-    from dflash_actors.channels import rings_from_config
-    from dflash_actors.config import config_from_dict
-    cfg = config_from_dict({"batching": {"token_budget": 4096, "max_samples": 16},
-                            "runtime": {"batch_slots": 3, "feature_slots": 5}})
-    batch, feats = rings_from_config(cfg, feature_width=3 * 576, feature_dtype="bfloat16")
-    assert (batch.n_slots, feats.n_slots) == (3, 5)
-    hidden = {f.name: f for f in feats.fields}["hidden"]
-    assert hidden.shape == (4096, 1728) and hidden.dtype == "bfloat16"
-    assert feats.slot_bytes == batch.slot_bytes + 4096 * 1728 * 2
-
-
-def test_restart_policy_is_a_sliding_window():
-    from dflash_actors.supervisor import RestartPolicy
+def test_restart_policy_is_a_sliding_window_and_raises_escalations():
+    from dflash_actors.runtime.actor import Escalate
+    from dflash_actors.runtime.messages import ActorError
+    from dflash_actors.runtime.supervisor import Decision, RestartPolicy
     p = RestartPolicy(max_restarts=2, window_s=10.0)
-    assert p.allow(0.0) and p.allow(1.0)
-    assert not p.allow(2.0)                  # third death within 10 s
+    assert [p.decide(t, None) for t in (0.0, 1.0, 2.0)] == [Decision.RESTART] * 2 + [Decision.GIVE_UP]
     p = RestartPolicy(max_restarts=2, window_s=10.0)
-    assert p.allow(0.0) and p.allow(6.0) and p.allow(12.0)   # the first fell out of the window
-    assert not p.allow(13.0)
-    assert not RestartPolicy(max_restarts=0, window_s=1.0).allow(0.0)
+    # the first death falls out of the window
+    assert [p.decide(t, None) for t in (0.0, 6.0, 12.0, 13.0)] == [Decision.RESTART] * 3 + [Decision.GIVE_UP]
+    assert RestartPolicy(max_restarts=0, window_s=1.0).decide(0.0, None) is Decision.GIVE_UP
+    crash = ActorError("a.0", "RuntimeError", "boom", "")
+    assert RestartPolicy(max_restarts=5, window_s=1.0).decide(0.0, crash) is Decision.RESTART
+    fatal = ActorError("a.0", "Escalate", "no", "", raised=Escalate("no"))
+    assert RestartPolicy(max_restarts=5, window_s=1.0).decide(0.0, fatal) is Decision.RAISE
 
 
 def test_actor_error_one_line_names_the_innermost_frame():
-    from dflash_actors.messages import ActorError
+    from dflash_actors.runtime.messages import ActorError
     tb = ('Traceback (most recent call last):\n'
-          '  File "/x/dflash_actors/actors/base.py", line 120, in actor_main\n    actor.attach()\n'
-          '  File "/x/dflash_actors/actors/toy.py", line 57, in attach\n    raise RuntimeError("boom")\n'
+          '  File "/x/dflash_actors/runtime/actor.py", line 120, in actor_main\n    actor.attach()\n'
+          '  File "/x/tests/support/toy.py", line 57, in attach\n    raise RuntimeError("boom")\n'
           'RuntimeError: boom\n')
     e = ActorError("target.0", "RuntimeError", "boom\nmore", tb)
     assert e.one_line() == "RuntimeError: boom (toy.py:57 in attach)"

@@ -2,39 +2,42 @@
 
 State machine of the job::
 
-    RUNNING --all batches committed--> STOPPING("finished") --> DONE
-    RUNNING --SIGINT/SIGTERM---------> STOPPING(signal)      --> STOPPED
-    RUNNING --restart intensity------> STOPPING(error)       --> FAILED
+    RUNNING --all batches committed----> STOPPING("finished") --> DONE
+    RUNNING --SIGINT/SIGTERM-----------> STOPPING(signal)      --> STOPPED
+    RUNNING --restart intensity--------> STOPPING(error)       --> FAILED
+    RUNNING --an actor raised Escalate-> STOPPING(error)       --> FAILED, result.raised
 
-STOPPING: no new Work; ``on_stop`` hook (the trainer checkpoints there); ``Stop`` to every
-actor, which finishes the Work already queued; join until ``grace_s``; SIGTERM; SIGKILL.
+STOPPING: no new Work; ``Stop`` to every actor, which finishes the Work already queued;
+join until ``grace_s``; SIGTERM; SIGKILL.
 
-Restart policy, per actor, Erlang's ``one_for_one``: a dead actor is restarted alone,
-after the dispatcher has recovered its in-flight batches from the ledger. More than
-``max_restarts`` restarts within ``restart_window_s`` for one actor fails the job with
-one line naming the actor, its exit cause and its last traceback. An actor counts as
-dead when its process exits (sentinel), and as hung, then killed, when its heartbeat
-is older than ``hang_timeout_s`` (before Ready: when it is not ready ``start_timeout_s``
-after spawn).
+Restart policy, per actor (``RestartPolicy.decide``, after the dispatcher has recovered
+the dead actor's in-flight batches from the ledger), as Ray Train's failure policy maps
+an error to a decision:
+  * RESTART: Erlang's ``one_for_one``, the dead actor is restarted alone;
+  * GIVE_UP: more than ``max_restarts`` deaths within ``restart_window_s`` for one actor
+    fail the job with one line naming the actor, its exit cause and last traceback;
+  * RAISE: the actor died of an ``actor.Escalate`` error, which no restart can fix; the
+    job stops and the caller gets the exception (the training job rolls back).
+An actor counts as dead when its process exits (sentinel), and as hung, then killed,
+when its heartbeat is older than ``hang_timeout_s`` (before Ready: when it is not ready
+``start_timeout_s`` after spawn).
 
 The loop blocks in ``multiprocessing.connection.wait`` on process sentinels, actor pipes
 and a signal wakeup socket, with a timeout equal to the next deadline (status write or
-hang check). Every decision goes to ``<run_dir>/events.log`` (one JSON object a line);
+hang check). Every decision goes to ``<run_dir>/events.log`` (``events.EventLog``);
 ``<run_dir>/status.json`` is rewritten atomically about once a second. The supervisor
 must run in the main thread: signal handlers live there, and the children's
 parent-death signal fires when the spawning thread exits.
 
 Use::
 
-    stages = [Stage("loader", Loader, State.PLANNED, State.LOADED, out_ring="batch"),
-              Stage("target", Target, State.LOADED, State.FEATURED, count=N, in_ring="batch",
-                    out_ring="features"),
-              Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=M,
-                    in_ring="features", ordered=True), ...]
-    sup = Supervisor(cfg.runtime, stages, rings_from_config(cfg, width, "bfloat16"), n_batches,
-                     num_threads=cfg.train.num_threads, on_stop=checkpoint)
+    stages = [Stage("load", Loader, 0, 1, out_ring="batch", spec=LoaderSpec(...)),
+              Stage("work", Worker, 1, 2, count=4, in_ring="batch", route=lambda b: b % 4)]
+    sup = Supervisor(runtime, stages, [RingSpec("batch", 4, fields)], n_batches, meta_cols=2)
     result = sup.run()           # returns when every batch is committed, or on a stop
     sys.exit(result.exit_code)   # 0 done, 130 stopped by a signal, 1 failed (result.reason)
+
+The training job's wiring (``dflash_actors.wiring``) is the real example.
 """
 
 from __future__ import annotations
@@ -52,13 +55,13 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
 import torch.multiprocessing as tmp
 
-from .actors.base import ActorContext, Heartbeats, actor_main
+from .actor import ActorContext, Heartbeats, actor_main
 from .channels import Ring, RingSpec
 from .config import RuntimeConfig
 from .dispatch import Dispatcher, Stage
+from .events import EventLog
 from .ledger import Ledger
 from .messages import ActorError, Done, Ready, Stop
 
@@ -83,26 +86,37 @@ class JobResult:
     committed: list[int] = field(default_factory=list)
     """Batch ids in the order the last stage committed them."""
     restarts: dict[str, int] = field(default_factory=dict)
+    raised: Optional[BaseException] = None
+    """The ``Escalate`` error that stopped the job (decision RAISE), for the caller."""
 
     @property
     def exit_code(self) -> int:
         return {JobState.DONE: 0, JobState.STOPPED: 130}.get(self.state, 1)
 
 
+class Decision(enum.Enum):
+    RESTART = "restart"
+    GIVE_UP = "give_up"
+    RAISE = "raise"
+
+
 class RestartPolicy:
-    """Erlang's restart intensity, per actor: more than ``max_restarts`` deaths within
-    any ``window_s`` seconds means give up."""
+    """Per actor: what its death means. An ``Escalate`` error is raised to the caller;
+    otherwise Erlang's restart intensity: more than ``max_restarts`` deaths within any
+    ``window_s`` seconds means give up."""
 
     def __init__(self, max_restarts: int, window_s: float):
         self.max_restarts, self.window_s = max_restarts, window_s
         self._deaths: collections.deque[float] = collections.deque()
 
-    def allow(self, now: float) -> bool:
-        """Record a death at ``now``; may the actor be restarted?"""
+    def decide(self, now: float, error: Optional[ActorError]) -> Decision:
+        """Record a death at ``now`` (``error``: what the actor reported, if anything)."""
+        if error is not None and error.raised is not None:
+            return Decision.RAISE
         self._deaths.append(now)
         while now - self._deaths[0] > self.window_s:
             self._deaths.popleft()
-        return len(self._deaths) <= self.max_restarts
+        return Decision.RESTART if len(self._deaths) <= self.max_restarts else Decision.GIVE_UP
 
     @property
     def recent(self) -> int:
@@ -129,21 +143,21 @@ class _Child:
 
 class Supervisor:
     def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec],
-                 n_batches: int, shared: Optional[dict[str, torch.Tensor]] = None,
-                 num_threads: int = 1, on_stop: Optional[Callable[[str], None]] = None,
-                 on_status: Optional[Callable[[dict], None]] = None):
+                 n_batches: int, *, meta_cols: int = 0, first_batch: int = 0, num_threads: int = 1,
+                 on_status: Optional[Callable[[dict], None]] = None, events: Optional[EventLog] = None):
         """Allocates every shared buffer (rings, ledger, heartbeats); spawns nothing yet.
-        ``shared``: extra tensors every actor sees as ``ctx.shared`` (the caller made them
-        shared). ``on_stop(reason)`` runs once when stopping begins; ``on_status(status)``
-        before each status.json write, and may add keys to it (the trainer adds its step
-        and loss, and drives its progress bar from it)."""
+        Batch ids are ``0 .. n_batches-1``; those below ``first_batch`` count as committed
+        (a resumed run). ``meta_cols``: ints per ledger row for the first stage to fill.
+        ``on_status(status)`` runs before each status.json write and may add keys (the
+        training job adds its step and loss, and moves its progress bar). ``events``:
+        the job's event log, if the caller logs there too; else the supervisor opens
+        ``<run_dir>/events.log`` itself."""
         self.cfg = runtime
         self.run_dir = Path(runtime.run_dir)
         self.rings = {spec.name: Ring.allocate(spec) for spec in rings}
-        self.ledger = Ledger.allocate(n_batches)
-        self.shared = shared or {}
+        self.ledger = Ledger.allocate(n_batches, meta_cols, initial=stages[0].from_state,
+                                      done=stages[-1].to_state, done_below=first_batch)
         self.num_threads = num_threads
-        self.on_stop = on_stop
         self.on_status = on_status
         self.children: list[_Child] = []
         for stage in stages:
@@ -156,18 +170,20 @@ class Supervisor:
         self.state = JobState.RUNNING
         self._mp = tmp.get_context("spawn")
         self._stop_signal: Optional[str] = None
-        self._events = None
+        self._events = events
+        self._own_events = events is None
 
     # -- public ----------------------------------------------------------------
 
     def run(self) -> JobResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._events = open(self.run_dir / "events.log", "a", buffering=1)
+        if self._own_events:
+            self._events = EventLog(self.run_dir / "events.log")
         restore = self._install_signals()
         result = None
         try:
             self._log("start", reason="job begins", actors=[c.actor_id for c in self.children],
-                      batches=len(self.ledger))
+                      batches=len(self.ledger), committed_before=len(self.ledger) - self.dispatcher.remaining())
             for c in self.children:
                 self._spawn(c, "initial start")
             result = self._loop()
@@ -184,7 +200,8 @@ class Supervisor:
                 self.state = result.state
                 self._log("end", state=result.state.value, reason=result.reason, restarts=result.restarts)
             self._write_status()
-            self._events.close()
+            if self._own_events:
+                self._events.close()
         return result
 
     def request_stop(self, reason: str) -> None:
@@ -225,8 +242,6 @@ class Supervisor:
     def _stopping(self, result: JobResult) -> JobResult:
         self.state = JobState.STOPPING
         self._log("stopping", reason=result.reason)
-        if self.on_stop is not None:
-            self.on_stop(result.reason)
         return result
 
     # -- children --------------------------------------------------------------
@@ -236,10 +251,10 @@ class Supervisor:
         s = c.stage
         ctx = ActorContext(
             actor_id=c.actor_id, number=c.number, index=c.index, parent_pid=os.getpid(),
-            conn=child_conn, rings=self.rings, ledger=self.ledger, heartbeats=self.heartbeats,
-            heartbeat_s=self.cfg.heartbeat_s, num_threads=self.num_threads, run_dir=str(self.run_dir),
-            in_ring=s.in_ring, out_ring=s.out_ring, from_state=s.from_state, to_state=s.to_state,
-            args=dict(s.args), shared=self.shared)
+            conn=child_conn, ledger=self.ledger, heartbeats=self.heartbeats,
+            heartbeat_s=self.cfg.heartbeat_s, num_threads=self.num_threads, to_state=s.to_state,
+            in_ring=self.rings[s.in_ring] if s.in_ring else None,
+            out_ring=self.rings[s.out_ring] if s.out_ring else None, spec=s.spec)
         proc = self._mp.Process(target=actor_main, args=(s.actor, ctx), name=c.actor_id, daemon=True)
         proc.start()
         child_conn.close()
@@ -278,8 +293,14 @@ class Supervisor:
         c.proc.close()   # its sentinel fd; a long run restarts many times
         c.proc, c.conn = None, None
         settled, put_back = self.dispatcher.on_death(c.number)
-        self._log("died", actor=c.actor_id, reason=cause, settled=settled, put_back=put_back)
-        if not c.policy.allow(time.monotonic()):
+        decision = c.policy.decide(time.monotonic(), c.error)
+        self._log("died", actor=c.actor_id, reason=cause, settled=settled, put_back=put_back,
+                  decision=decision.value)
+        if decision is Decision.RAISE:
+            line = f"{c.actor_id}: {c.error.one_line()}"
+            self._log("raise", actor=c.actor_id, reason=line)
+            return JobResult(JobState.FAILED, line, traceback=c.error.traceback_text, raised=c.error.raised)
+        if decision is Decision.GIVE_UP:
             line = (f"{c.actor_id} died {c.policy.recent} times within {self.cfg.restart_window_s:g}s "
                     f"(max_restarts={self.cfg.max_restarts}); last exit: {cause}")
             if c.last_error is not None and c.last_error.one_line() not in cause:
@@ -422,8 +443,7 @@ class Supervisor:
     # -- reporting -------------------------------------------------------------
 
     def _log(self, event: str, **fields) -> None:
-        rec = {"t": round(time.time(), 3), "mono": round(time.monotonic(), 4), "event": event, **fields}
-        self._events.write(json.dumps(rec, default=str) + "\n")
+        self._events.log(event, **fields)
 
     def status(self) -> dict:
         now = time.monotonic()
@@ -443,8 +463,13 @@ class Supervisor:
             }
         return {"time": round(time.time(), 3), "state": self.state.value, "supervisor_pid": os.getpid(),
                 "actors": actors, "rings": self.dispatcher.occupancy(),
-                "batches": {**self.ledger.counts(), "committed_by_sink": len(self.dispatcher.committed),
+                "batches": {**self._counts(), "committed_this_run": len(self.dispatcher.committed),
                             "total": len(self.ledger)}}
+
+    def _counts(self) -> dict[str, int]:
+        names = self.dispatcher.state_names
+        counts = self.ledger.counts(max(names) + 1)
+        return {name: counts[s] for s, name in names.items()}
 
     def _write_status(self) -> None:
         path = self.run_dir / "status.json"
@@ -454,3 +479,4 @@ class Supervisor:
             self.on_status(status)
         tmp_path.write_text(json.dumps(status, indent=1))
         os.replace(tmp_path, path)
+

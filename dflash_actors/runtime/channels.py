@@ -8,25 +8,17 @@ Actors attach; they never allocate or free shared buffers, so killing any actor 
 every buffer intact, and a slot's bytes stay valid until the supervisor hands the slot
 to the next writer.
 
-Layout (one ring; every field is one tensor with a leading slot dimension)::
+Layout (one ring; every field is one tensor with a leading slot dimension; the
+fields are the caller's: ``batching.ring_fields`` for the training job)::
 
-    ring "batch"  (RingSpec.batch: exactly the fields of batching.BatchBuffers)
                        slot 0          slot 1                slot S-1
     input_ids    [S, T]        int64   |t t t . . .|  |t t t t t . .|  ...
     position_ids [S, T]        int64   |0 1 2 . . .|  |0 1 0 1 2 . .|
-    loss_mask    [S, T]        int8
-    cu_seqlens   [S, N+1]      int32
-    sample_ids   [S, N]        int64
+    ...
+    hidden       [S, T, W]     bf16/f32
 
-    ring "features" (RingSpec.features: the batch fields again, so the consumer needs
-                     no batch slot, plus the hidden states)
-    ...batch fields...
-    hidden       [S, T, W]     bf16/f32   W = n_target_layers * hidden_size
-
-    T = batching.token_budget, N = batching.max_samples, S = runtime.*_slots
-
-A slot holds the batch's *shape* nowhere: n_samples/n_tokens/max_len live in the batch's
-ledger row, written by the slot's producer before it commits.
+A slot holds the batch's *shape* nowhere: it lives in the batch's ledger row (its meta
+columns), written by the slot's producer before it commits.
 
 Protocol (all decisions by the supervisor, which alone owns the free lists)::
 
@@ -44,11 +36,12 @@ Protocol (all decisions by the supervisor, which alone owns the free lists)::
 A slot is freed only after the state that no longer needs it is recorded, and slots of
 a dead actor are reclaimed from the ledger (``dispatch``), never from what it said.
 
-Placement: CPU rings are pinned (``cudaHostRegister`` on the shared pages, in each
-process that copies to a GPU) when CUDA is present; a ring whose producer and consumer
-share a device lives on that device and travels by CUDA IPC (the supervisor allocates
-it and outlives every consumer, which is what torch's CUDA IPC requires). A writer to a
-CUDA slot synchronizes its stream before it commits.
+Placement: a CPU ring is page-locked (``pin``, ``cudaHostRegister`` on the shared pages)
+by each process that copies it to or from a GPU. A ring may also live on a GPU: the
+supervisor allocates it and outlives every consumer, which is what torch's CUDA IPC
+requires, and a writer to a CUDA slot synchronizes its stream before it commits. (The
+training job keeps both its rings in host memory for now; ``tests/integration/
+test_runtime_gpu.py`` exercises the CUDA ring.)
 """
 
 from __future__ import annotations
@@ -56,8 +49,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from .batching import BatchBuffers
 
 _DTYPES = {"int64": torch.int64, "int32": torch.int32, "int8": torch.int8,
            "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,17 +69,6 @@ class RingSpec:
     fields: tuple[FieldSpec, ...]
     device: str = "cpu"
 
-    @classmethod
-    def batch(cls, name: str, n_slots: int, token_budget: int, max_samples: int,
-              device: str = "cpu") -> "RingSpec":
-        return cls(name, n_slots, _batch_fields(token_budget, max_samples), device)
-
-    @classmethod
-    def features(cls, name: str, n_slots: int, token_budget: int, max_samples: int,
-                 width: int, dtype: str, device: str = "cpu") -> "RingSpec":
-        hidden = FieldSpec("hidden", (token_budget, width), dtype)
-        return cls(name, n_slots, _batch_fields(token_budget, max_samples) + (hidden,), device)
-
     @property
     def slot_bytes(self) -> int:
         n = 0
@@ -98,34 +78,6 @@ class RingSpec:
                 numel *= d
             n += numel * torch.empty((), dtype=_DTYPES[f.dtype]).element_size()
         return n
-
-
-def rings_from_config(cfg, feature_width: int, feature_dtype: str,
-                      feature_device: str = "cpu") -> list[RingSpec]:
-    """The pipeline's two rings, shaped by a full ``Config``: the batch ring (CPU: the
-    loader writes it) and the feature ring (``placement`` of target and drafter)."""
-    b, r = cfg.batching, cfg.runtime
-    return [RingSpec.batch("batch", r.batch_slots, b.token_budget, b.max_samples),
-            RingSpec.features("features", r.feature_slots, b.token_budget, b.max_samples,
-                              feature_width, feature_dtype, feature_device)]
-
-
-def placement(producer: str, consumer: str) -> str:
-    """Device of a ring between two actors: their GPU when both use the same one (CUDA
-    IPC, the bytes never leave the device), else CPU shared memory (pinned by the GPU
-    side). Different GPUs go through the host: a kernel on one GPU reading IPC memory
-    of another is not safe (pytorch #64504)."""
-    if producer == consumer and producer.startswith("cuda") and torch.cuda.is_available():
-        return producer
-    return "cpu"
-
-
-def _batch_fields(token_budget: int, max_samples: int) -> tuple[FieldSpec, ...]:
-    return (FieldSpec("input_ids", (token_budget,), "int64"),
-            FieldSpec("position_ids", (token_budget,), "int64"),
-            FieldSpec("loss_mask", (token_budget,), "int8"),
-            FieldSpec("cu_seqlens", (max_samples + 1,), "int32"),
-            FieldSpec("sample_ids", (max_samples,), "int64"))
 
 
 class Ring:
@@ -167,10 +119,6 @@ class Ring:
         if not 0 <= i < self.spec.n_slots:
             raise IndexError(f"ring {self.spec.name}: slot {i} of {self.spec.n_slots}")
         return {k: t[i] for k, t in self.tensors.items()}
-
-    def batch_buffers(self, i: int) -> BatchBuffers:
-        """Numpy views of a CPU slot's batch fields (what ``batching.assemble`` writes)."""
-        return BatchBuffers.from_tensors(self.slot(i))
 
     def pin(self) -> None:
         """Page-lock a CPU ring for fast async H2D copies from this process. Registration

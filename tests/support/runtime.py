@@ -1,5 +1,6 @@
-"""Helpers for the runtime tests: configs, event logs, and a thread that watches the
-live heartbeat table to strike (kill -9, SIGSTOP) actors while they hold a batch."""
+"""Helpers for the runtime tests (toy actors in real processes): configs, event logs,
+and a thread that watches the live heartbeat table to strike (kill -9, SIGSTOP) actors
+while they hold a batch."""
 
 import json
 import os
@@ -8,18 +9,18 @@ import threading
 import time
 from pathlib import Path
 
-from dflash_actors.actors.base import Phase
-from dflash_actors.actors.toy import checksum
-from dflash_actors.config import config_from_dict
-from dflash_actors.ledger import Col, State
+from dflash_actors.runtime.actor import Phase
+from dflash_actors.runtime.config import RuntimeConfig, build
+from dflash_actors.runtime.ledger import Col
+from support.toy import S, checksum
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def runtime(tmp_path, **kw):
+def runtime(tmp_path, **kw) -> RuntimeConfig:
     raw = {"run_dir": str(tmp_path / "run"), "heartbeat_s": 0.2, "hang_timeout_s": 60.0,
            "start_timeout_s": 120.0, "grace_s": 10.0, **kw}
-    return config_from_dict({"runtime": raw}).runtime
+    return build(RuntimeConfig, raw, "runtime.")
 
 
 def events(run_dir, kind=None) -> list[dict]:
@@ -28,13 +29,13 @@ def events(run_dir, kind=None) -> list[dict]:
     return [e for e in evs if kind is None or e["event"] == kind]
 
 
-def assert_exactly_once(sup, result, n, token_budget=256, max_samples=8):
+def assert_exactly_once(sup, results, result, n, token_budget=256, max_rows=8):
     """Every batch committed once, with its payload intact end to end."""
     assert sorted(result.committed) == list(range(n)), "a batch is missing or repeated"
-    assert (sup.ledger.table[:, Col.STATE] == State.COMMITTED).all()
+    assert (sup.ledger.table[:, Col.STATE] == S.COMMITTED).all()
     assert (sup.ledger.table[:, Col.OWNER] == -1).all()
-    got = sup.shared["results"].tolist()
-    bad = [b for b in range(n) if got[b] != checksum(b, token_budget, max_samples)]
+    got = results.tolist()
+    bad = [b for b in range(n) if got[b] != checksum(b, token_budget, max_rows)]
     assert not bad, f"payload wrong for batches {bad[:10]}"
     assert all(r["used"] == 0 for r in sup.dispatcher.occupancy().values()), "a slot leaked"
 

@@ -2,17 +2,21 @@
 
 A ``Stage`` is one transition of the ledger (``from_state -> to_state``) served by
 ``count`` actors of one role, reading ``in_ring`` and writing ``out_ring``. Stages
-chain: stage i+1 consumes what stage i produces. The ``Dispatcher`` lives in the
-supervisor process only, and it alone takes and frees slots, so free lists need no
-lock and survive any actor's death.
+chain: stage i+1 consumes what stage i produces; the last stage's ``to_state`` is the
+final one (committed). The ``Dispatcher`` lives in the supervisor process only, and it
+alone takes and frees slots, so free lists need no lock and survive any actor's death.
 
 Rules, chosen so that restarts never change what a consumer sees:
   * ready batches of a stage are dispatched lowest id first, and each stage reserves its
     output slots in that order, so the lowest unfinished batch always holds or gets a
     slot (no ring can fill up with later batches while an earlier one waits);
-  * an ``ordered`` stage sends batch b to actor ``b % count``, each actor in increasing
-    b (the drafter's synchronous data-parallel order); after a death the cursor goes back
-    to the lowest batch put back, so the replacement resumes the same sequence;
+  * a routed stage sends batch b to its actor ``route(b)``, each actor in increasing
+    b; after a death that actor's cursor goes back to the lowest batch put back, so the
+    replacement resumes the same sequence. The route is the caller's rule (the
+    training job's is ``Schedule.drafter_of``), asked, never re-derived here;
+  * a stage with ``after_commit`` sends batch b only once every batch below
+    ``after_commit(b)`` has reached the final state (the training job's drafters wait
+    this way for the weights of their step, which the last stage publishes);
   * each actor holds at most ``credit`` dispatched batches (prefetch depth);
   * recovery (``on_death``) reads the ledger, not the dead actor's messages: see
     ``ledger`` for settle vs put back.
@@ -20,29 +24,41 @@ Rules, chosen so that restarts never change what a consumer sees:
 
 from __future__ import annotations
 
+import bisect
+import enum
 import heapq
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from .channels import RingSpec
-from .ledger import Col, Ledger, State
+from .ledger import Col, Ledger
 from .messages import Work
+
+
+def in_order(b: int) -> int:
+    """The route of a one-actor stage that takes every batch in increasing id."""
+    return 0
 
 
 @dataclass(frozen=True)
 class Stage:
     role: str
     actor: type
-    """An ``actors.base.Actor`` subclass, importable by spawned children."""
-    from_state: State
-    to_state: State
+    """An ``actor.Actor`` subclass, importable by spawned children."""
+    from_state: int
+    to_state: int
     count: int = 1
     in_ring: Optional[str] = None
     out_ring: Optional[str] = None
-    ordered: bool = False
+    route: Optional[Callable[[int], int]] = None
+    """Batch id -> index of the actor that must take it (each in increasing id);
+    None: any free actor takes the lowest ready batch."""
+    after_commit: Optional[Callable[[int], int]] = None
+    """Batch id -> the id below which every batch must be final before it goes out."""
     credit: int = 2
-    args: dict = field(default_factory=dict)
-    """Keyword arguments every actor of this stage receives in ``ctx.args``."""
+    spec: Any = None
+    """What every actor of this stage receives as ``self.spec``: a frozen dataclass of
+    what the role needs, pickled once per spawn (shared tensors travel as fds)."""
 
 
 class ProtocolError(RuntimeError):
@@ -79,23 +95,38 @@ class Dispatcher:
         self.stages = stages
         self.ledger = ledger
         self.members = members
+        self.final = stages[-1].to_state
+        self.state_names = _state_names(stages)
         self.pools = {r.name: SlotPool(r.n_slots) for r in rings}
+        self._n = len(ledger)
         self._ready: list[list[int]] = [[] for _ in stages]
         self._ready_set: list[set[int]] = [set() for _ in stages]
-        self._stage_of_state = {s.from_state: i for i, s in enumerate(stages)}
+        stage_of_state = {s.from_state: i for i, s in enumerate(stages)}
         self._held: dict[int, list[int]] = {n: [] for n in members}
         self._live: set[int] = set()
-        self._cursor: dict[int, int] = {}
         self.committed: list[int] = []
-        self._n = len(ledger)
+        """Batch ids in the order the last stage committed them, in this run."""
+        self._final = [False] * self._n
         for b in range(self._n):
-            i = self._stage_of_state.get(ledger.state(b))
+            i = stage_of_state.get(ledger.state(b))
             if i is not None:
                 self._push(i, b)
-        for n, (i, k) in members.items():
-            if stages[i].ordered:
-                self._cursor[n] = k
-                self._skip_done(n)
+            self._final[b] = ledger.state(b) == self.final
+        self._frontier = 0
+        self._advance_frontier()
+        # Routed stages: each actor's batch ids in order, and a cursor into them.
+        self._sequence: dict[int, list[int]] = {}
+        self._cursor: dict[int, int] = {}
+        for i, stage in enumerate(stages):
+            if stage.route is None:
+                continue
+            seqs: list[list[int]] = [[] for _ in range(stage.count)]
+            for b in range(self._n):
+                seqs[stage.route(b)].append(b)
+            for n, (si, k) in members.items():
+                if si == i:
+                    self._sequence[n], self._cursor[n] = seqs[k], 0
+                    self._skip_done(n)
 
     # -- events ---------------------------------------------------------------
 
@@ -107,8 +138,9 @@ class Dispatcher:
         if b not in self._held[n]:
             raise ProtocolError(f"actor {n} reported batch {b}, which it does not hold")
         if self.ledger.state(b) != self.stages[i].to_state:
-            raise ProtocolError(f"batch {b}: Done for {self.stages[i].to_state.name} but the "
-                                f"ledger says {self.ledger.state(b).name}")
+            names, now = self.state_names, self.ledger.state(b)
+            raise ProtocolError(f"batch {b}: Done for {names[self.stages[i].to_state]} but the "
+                                f"ledger says {names.get(now, now)}")
         self._settle(n, b)
 
     def on_death(self, n: int) -> tuple[list[int], list[int]]:
@@ -131,8 +163,8 @@ class Dispatcher:
                 self._held[n].remove(b)
                 self._push(i, b)
                 put_back.append(b)
-                if stage.ordered:
-                    self._cursor[n] = min(self._cursor[n], b)
+                if stage.route is not None:
+                    self._cursor[n] = min(self._cursor[n], bisect.bisect_left(self._sequence[n], b))
         return settled, put_back
 
     def dispatch(self) -> list[tuple[int, Work]]:
@@ -140,14 +172,16 @@ class Dispatcher:
         out: list[tuple[int, Work]] = []
         for i, stage in enumerate(self.stages):
             actors = sorted(n for n, (si, _) in self.members.items() if si == i and n in self._live)
-            if stage.ordered:
+            if stage.route is not None:
                 for n in actors:
-                    while (len(self._held[n]) < stage.credit and self._cursor[n] in self._ready_set[i]):
-                        w = self._send(i, n, self._cursor[n])
+                    seq = self._sequence[n]
+                    while (len(self._held[n]) < stage.credit and self._cursor[n] < len(seq)
+                           and seq[self._cursor[n]] in self._ready_set[i] and self._open(stage, seq[self._cursor[n]])):
+                        w = self._send(i, n, seq[self._cursor[n]])
                         if w is None:
                             break
                         out.append((n, w))
-                        self._cursor[n] += stage.count
+                        self._cursor[n] += 1
                         self._skip_done(n)
             else:
                 heap = self._ready[i]
@@ -156,7 +190,7 @@ class Dispatcher:
                         heapq.heappop(heap)  # already dispatched (lazy deletion)
                         continue
                     free = [n for n in actors if len(self._held[n]) < stage.credit]
-                    if not free:
+                    if not free or not self._open(stage, heap[0]):
                         break
                     n = min(free, key=lambda m: (len(self._held[m]), m))
                     w = self._send(i, n, heap[0])
@@ -168,7 +202,11 @@ class Dispatcher:
     # -- queries --------------------------------------------------------------
 
     def finished(self) -> bool:
-        return len(self.committed) == self._n
+        return self._frontier == self._n
+
+    def remaining(self) -> int:
+        """Batches not yet final."""
+        return self._final.count(False)
 
     def held(self, n: int) -> list[int]:
         return list(self._held[n])
@@ -178,9 +216,12 @@ class Dispatcher:
 
     # -- internals ------------------------------------------------------------
 
+    def _open(self, stage: Stage, b: int) -> bool:
+        return stage.after_commit is None or stage.after_commit(b) <= self._frontier
+
     def _push(self, i: int, b: int) -> None:
-        # Ordered stages pick by cursor and need only the set; the others pop the heap.
-        if not self.stages[i].ordered:
+        # Routed stages pick by cursor and need only the set; the others pop the heap.
+        if self.stages[i].route is None:
             heapq.heappush(self._ready[i], b)
         self._ready_set[i].add(b)
 
@@ -194,8 +235,8 @@ class Dispatcher:
             out_slot = slot
         self._ready_set[i].discard(b)
         self._held[n].append(b)
-        attempt = self.ledger.assign(b, n, out_slot)
-        return Work(b, attempt, self.ledger.get(b, Col.SLOT), out_slot)
+        self.ledger.assign(b, n, out_slot)
+        return Work(b, self.ledger.get(b, Col.SLOT), out_slot)
 
     def _settle(self, n: int, b: int) -> None:
         i, _ = self.members[n]
@@ -208,9 +249,26 @@ class Dispatcher:
             self._push(i + 1, b)
         else:
             self.committed.append(b)
+            self._final[b] = True
+            self._advance_frontier()
+
+    def _advance_frontier(self) -> None:
+        """The lowest batch id not yet settled in the final state."""
+        while self._frontier < self._n and self._final[self._frontier]:
+            self._frontier += 1
 
     def _skip_done(self, n: int) -> None:
         i, _ = self.members[n]
-        to = self.stages[i].to_state
-        while self._cursor[n] < self._n and self.ledger.state(self._cursor[n]) >= to:
-            self._cursor[n] += self.stages[i].count
+        to, seq = self.stages[i].to_state, self._sequence[n]
+        while self._cursor[n] < len(seq) and self.ledger.state(seq[self._cursor[n]]) >= to:
+            self._cursor[n] += 1
+
+
+def _state_names(stages: list[Stage]) -> dict[int, str]:
+    """Ledger state -> its name in messages and status.json: an enum member's name in
+    lower case, else the number."""
+    names = {}
+    for st in stages:
+        for s in (st.from_state, st.to_state):
+            names[int(s)] = s.name.lower() if isinstance(s, enum.Enum) else str(int(s))
+    return dict(sorted(names.items()))

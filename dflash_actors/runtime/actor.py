@@ -11,10 +11,12 @@ Contract of every actor process:
 Lifecycle::
 
     spawned -> attaching (attach()) -> idle <-> working (work(w)) -> draining (drain()) -> exit 0
-                      any exception -> ActorError to the supervisor -> exit 1
+                      Escalate        -> ActorError(raised=e) -> exit 1 -> the job stops
+                      other exception -> ActorError           -> exit 1 -> restart
 
-An actor is a class with ``attach``, ``work`` and ``drain``; the stage it serves (its
-rings and ledger states) comes from the supervisor's ``Stage`` through ``ActorContext``.
+An actor is a class with ``attach``, ``work`` and ``drain``. What it gets: its rings and
+the ledger (``ActorContext``, the same for every stage) and ``self.spec``, the stage's
+frozen dataclass of what this role needs (its config, its shared buffers).
 Work that can take longer than ``runtime.hang_timeout_s`` calls ``self.beat()`` now and
 then: the supervisor kills an actor whose heartbeat is older than that, which is how a
 hung actor is told apart from a slow one.
@@ -31,18 +33,25 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
-from ..channels import Ring
-from ..ledger import Ledger, State
-from ..messages import ActorError, Done, Ready, Stop, Work
+from .channels import Ring
+from .ledger import Ledger
+from .messages import ActorError, Done, Ready, Stop, Work
 
 
 class Shutdown(Exception):
     """The expected end of an actor: the supervisor said Stop."""
+
+
+class Escalate(Exception):
+    """An error that restarting this actor cannot fix (it would meet the same state
+    again). The supervisor does not restart the actor: it stops the job and hands the
+    exception to its caller (``JobResult.raised``), which decides what happens next.
+    Subclasses must pickle: keep their constructor to one message argument."""
 
 
 class Phase(enum.IntEnum):
@@ -94,6 +103,10 @@ class Heartbeats:
         return {"pid": int(r[HB.PID]), "phase": Phase(int(r[HB.PHASE])), "beat": float(r[HB.BEAT]),
                 "done": int(r[HB.DONE]), "wip": int(r[HB.WIP]), "batch": int(r[HB.BATCH])}
 
+    def bump(self, n: int) -> None:
+        """One more beat inside a Work item."""
+        self.set(n, wip=self._a[n, HB.WIP] + 1)
+
     def set(self, n: int, **cols) -> None:
         r = self._a[n]
         for k, v in cols.items():
@@ -101,27 +114,23 @@ class Heartbeats:
         r[HB.BEAT] = time.monotonic()
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActorContext:
     """Everything a child gets at spawn (pickled once; tensors travel as fds)."""
 
     actor_id: str
     number: int
-    index: int
+    index: int                         # within its stage
     parent_pid: int
     conn: object                       # multiprocessing Connection to the supervisor
-    rings: dict[str, Ring]
     ledger: Ledger
     heartbeats: Heartbeats
     heartbeat_s: float
     num_threads: int
-    run_dir: str
-    in_ring: Optional[str] = None
-    out_ring: Optional[str] = None
-    from_state: State = State.PLANNED
-    to_state: State = State.COMMITTED
-    args: dict = field(default_factory=dict)
-    shared: dict = field(default_factory=dict)   # extra supervisor-owned tensors by name
+    to_state: int
+    in_ring: Optional[Ring] = None
+    out_ring: Optional[Ring] = None
+    spec: Any = None                   # the stage's spec
 
 
 class Actor:
@@ -129,9 +138,10 @@ class Actor:
 
     def __init__(self, ctx: ActorContext):
         self.ctx = ctx
+        self.spec = ctx.spec
         self.ledger = ctx.ledger
-        self.in_ring = ctx.rings[ctx.in_ring] if ctx.in_ring else None
-        self.out_ring = ctx.rings[ctx.out_ring] if ctx.out_ring else None
+        self.in_ring = ctx.in_ring
+        self.out_ring = ctx.out_ring
 
     def attach(self) -> None:
         """Load what the actor needs (models, files); shared buffers are already mapped."""
@@ -146,8 +156,7 @@ class Actor:
 
     def beat(self) -> None:
         """Progress inside a long ``work``: keeps the hang detector off."""
-        hb = self.ctx.heartbeats
-        hb.set(self.ctx.number, wip=hb._a[self.ctx.number, HB.WIP] + 1)
+        self.ctx.heartbeats.bump(self.ctx.number)
 
     @contextlib.contextmanager
     def beating(self):
@@ -220,7 +229,8 @@ def actor_main(cls: type, ctx: ActorContext) -> None:
         hb.set(n, phase=Phase.EXITED)
         _exit(0)
     except BaseException as e:  # the one place errors are caught in an actor process
-        err = ActorError(ctx.actor_id, type(e).__name__, str(e), traceback.format_exc())
+        err = ActorError(ctx.actor_id, type(e).__name__, str(e), traceback.format_exc(),
+                         raised=e if isinstance(e, Escalate) else None)
         try:
             conn.send(err)
         except OSError:

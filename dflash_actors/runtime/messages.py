@@ -8,32 +8,31 @@ shared slots of ``channels`` and batch state stays in the ``ledger``.
 
 Supervisor -> actor::
 
-    Work(batch_id, attempt, in_slot, out_slot)   do one transition of batch_id
+    Work(batch_id, in_slot, out_slot)            do one transition of batch_id
     Stop(reason)                                 finish the Work already sent, then exit 0
 
 Actor -> supervisor::
 
     Ready(actor_id, pid)                         attached, entering the work loop
     Done(actor_id, batch_id)                     the ledger already records the new state
-    ActorError(actor_id, exc_type, message, traceback_text)   sent once, then exit 1
+    ActorError(actor_id, exc_type, message, traceback_text, raised)   sent once, then exit 1
 
 Liveness does not travel here: each actor writes its heartbeat and progress counters
-into a shared table (``actors.base.Heartbeats``) that the supervisor reads.
+into a shared table (``actor.Heartbeats``) that the supervisor reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
 class Work:
     """Move ``batch_id`` one stage on: read ``in_slot`` (-1: the stage has no input
-    ring), write ``out_slot`` (-1: no output ring). ``attempt`` counts dispatches of
-    this transition (1 = first), so an actor can tell a retry from fresh work."""
+    ring), write ``out_slot`` (-1: no output ring)."""
 
     batch_id: int
-    attempt: int
     in_slot: int
     out_slot: int
 
@@ -65,12 +64,15 @@ class Done:
 
 @dataclass(frozen=True)
 class ActorError:
-    """An exception escaped the actor; it exits non-zero right after sending this."""
+    """An exception escaped the actor; it exits non-zero right after sending this.
+    ``raised`` is the exception itself when it is an ``actor.Escalate`` (those are made
+    to pickle): the supervisor hands it to its caller instead of restarting the actor."""
 
     actor_id: str
     exc_type: str
     message: str
     traceback_text: str
+    raised: Optional[BaseException] = None
 
     def one_line(self) -> str:
         """``Type: message (file:line in func)``, the innermost frame of the traceback."""

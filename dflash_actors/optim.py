@@ -1,0 +1,67 @@
+"""The step math: AdamW, the learning-rate schedule, and one optimizer step from the
+drafters' gradient sums. The optimizer actor and the reference trainer both call this
+module, so their agreement checks the orchestration; ``tests/unit/test_optim.py``
+checks the math itself against an update worked out by hand.
+
+One step, from M drafter sums of A batches each::
+
+    g = clone(g_0) + g_1 + ... + g_{M-1}     (drafter order: fixed, so bit-reproducible)
+    g /= A*M;  clip ||g|| to grad_clip;  AdamW step;  LR scheduler step
+
+The LR follows linear warmup over ``ceil(warmup_ratio * total)`` steps, then a cosine
+to 0. AdamW uses torch's default betas and eps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(params, train) -> torch.optim.AdamW:
+    """AdamW over ``params`` with ``train.lr`` and ``train.weight_decay``."""
+    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
+    """Multiplier of the base LR at ``step``: linear warmup, then cosine to 0."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+
+def build_scheduler(opt, train, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, train.warmup_ratio))
+
+
+def reduce_and_step(params: list[torch.Tensor], shard_grads: list[list[torch.Tensor]], opt, sched,
+                    batches: int, grad_clip: float) -> float:
+    """Sum shard gradients in shard order, average over ``batches``, clip, step;
+    returns the pre-clip gradient norm."""
+    grads = [g.clone() for g in shard_grads[0]]
+    for shard in shard_grads[1:]:
+        for g, s in zip(grads, shard):
+            g.add_(s)
+    for p, g in zip(params, grads):
+        p.grad = g.div_(batches)
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    sched.step()
+    return float(norm)
+
+
+def restore(opt, sched, params: list[torch.Tensor], version: int, exp_avg, exp_avg_sq) -> None:
+    """Put AdamW and the LR schedule where ``version`` steps leave them, given the
+    moments after those steps (``params`` already hold the weights of ``version``)."""
+    if version == 0:
+        return
+    for p, m, v in zip(params, exp_avg, exp_avg_sq):
+        opt.state[p] = {"step": torch.tensor(float(version)), "exp_avg": m.to(p.device, copy=True),
+                        "exp_avg_sq": v.to(p.device, copy=True)}
+    # LambdaLR's lr is closed-form in last_epoch, so setting it is exactly an unbroken
+    # run's position (calling sched.step() here would warn: no optimizer step came first).
+    sched.last_epoch = version
+    for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * factor(version)

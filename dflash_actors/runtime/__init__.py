@@ -1,0 +1,15 @@
+"""The generic actor runtime: a supervised, staged pipeline over shared memory.
+
+Nothing here knows about DFlash, models or batches of tokens (``tests/unit/
+test_runtime_generic.py`` fails if it ever imports them): it moves integer batch ids
+through stages of actor processes, with the data in preallocated shared-memory rings.
+
+    config      RuntimeConfig, and the validated-dataclass machinery every config uses
+    messages    everything that crosses a pipe (Work, Stop, Ready, Done, ActorError)
+    ledger      the shared table of every batch's state: the commit points
+    channels    rings of typed tensor slots: the data plane
+    dispatch    Stage and Dispatcher: routing, slot reservation, recovery from the ledger
+    actor       the actor process: lifecycle, heartbeats, the one error handler
+    events      events.log, one writer and one schema
+    supervisor  spawn, watch, restart or stop, status.json
+"""

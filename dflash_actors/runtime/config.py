@@ -1,0 +1,149 @@
+"""Validated frozen-dataclass configs, and the runtime's own section.
+
+``build(cls, raw)`` turns plain data (from YAML or ``--set``) into a frozen dataclass,
+checking types and per-field constraints (``metadata={"check": ...}``, made with
+``checked``). Every error is a ``ConfigError`` whose one-line message starts with the
+key path, e.g. ``runtime.grace_s: must be >= 0 (got -1)``. The project's full config
+(``dflash_actors.config``) is built with the same machinery; the runtime itself knows
+only ``RuntimeConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line that names the key path."""
+
+
+# ---------------------------------------------------------------------------
+# field constraints: each returns a problem string, or None when the value is fine
+
+
+def at_least(lo: float):
+    def check(v):
+        if v < lo:
+            return f"must be >= {lo}"
+    return check
+
+
+def in_range(lo: float, hi: float):
+    def check(v):
+        if not lo <= v <= hi:
+            return f"must be in [{lo}, {hi}]"
+    return check
+
+
+def above(lo: float):
+    def check(v):
+        if not v > lo:
+            return f"must be > {lo}"
+    return check
+
+
+def optional(check):
+    """Apply ``check`` only when the value is not None."""
+    def wrapped(v):
+        return None if v is None else check(v)
+    return wrapped
+
+
+def checked(default: Any, check=None):
+    """A field with an optional constraint; mutable defaults are not used here."""
+    return field(default=default, metadata={"check": check} if check else {})
+
+
+# ---------------------------------------------------------------------------
+# the runtime's section
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    run_dir: str = "runs/latest"
+    batch_slots: int = checked(4, at_least(1))
+    feature_slots: int = checked(4, at_least(1))
+    heartbeat_s: float = checked(0.5, above(0))
+    hang_timeout_s: float = checked(60.0, above(0))
+    max_restarts: int = checked(5, at_least(0))
+    restart_window_s: float = checked(60.0, above(0))
+    grace_s: float = checked(10.0, at_least(0))
+    """How long actors get to finish on shutdown before SIGTERM, then SIGKILL."""
+    start_timeout_s: float = checked(300.0, above(0))
+    """Spawn to Ready (imports, model loading) before an actor counts as hung."""
+
+
+# ---------------------------------------------------------------------------
+# building from plain data, with type checks that name the key path
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], path)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: must be one of {list(args)} (got {value!r})")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: must be a mapping (got {value!r})")
+        return build(tp, value, path + ".")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: must be a list (got {value!r})")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{path}: must have {len(args)} entries (got {value!r})")
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads "1e-3" (no dot) as a string; accept what float() accepts.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool):
+        # bool is an int in Python; refuse it where a number is meant, and vice versa.
+        if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{path}: must be {_type_name(tp)} (got {value!r})")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at {path}")
+
+
+def build(cls, raw: dict, prefix: str = ""):
+    """``cls(**raw)``, checked: unknown keys, types and field constraints are
+    ``ConfigError``s naming ``prefix + key``."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in raw.items():
+        path = prefix + name
+        value = _coerce(value, hints[name], path)
+        check = fields[name].metadata.get("check")
+        problem = check(value) if check else None
+        if problem:
+            raise ConfigError(f"{path}: {problem} (got {value!r})")
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        # __post_init__ messages name the field within the section; add the section.
+        raise ConfigError(f"{prefix}{e}") from None

@@ -1,0 +1,85 @@
+"""How the training job is wired: its ledger states, its shared state, its rings and its
+four stages, each given a typed spec of exactly what it needs.
+
+    stage        ledger transition        data                       dispatch
+    loader.0     PLANNED   -> LOADED      -> batch ring              lowest id first
+    target.i     LOADED    -> FEATURED    batch -> feature ring      any free target
+    drafter.j    FEATURED  -> GRAD_DONE   feature ring -> grads[j]   Schedule.drafter_of(b) == j,
+                                                                     once step(b)'s weights exist
+    optimizer.0  GRAD_DONE -> COMMITTED   grads -> weights v+1       in order
+
+"Once step(b)'s weights exist": the optimizer commits the last batch of step s only
+after it has published weight version s+1, so a drafter batch of step s+1 is sent only
+once every batch below ``Schedule.first_of_step(s+1)`` is committed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .actors.drafter import Drafter, DrafterSpec
+from .actors.loader import Loader, LoaderSpec
+from .actors.optimizer import Optimizer, OptimizerSpec
+from .actors.target import Target, TargetSpec
+from .batching import ring_fields
+from .config import Config
+from .metrics import batch_table, step_table
+from .params import GradAccumulators, ParamLayout, WeightStore
+from .preflight import Devices
+from .runtime.channels import RingSpec
+from .runtime.dispatch import Stage, in_order
+from .schedule import Schedule
+
+
+class State(enum.IntEnum):
+    PLANNED = 0
+    LOADED = 1
+    FEATURED = 2
+    GRAD_DONE = 3
+    COMMITTED = 4
+
+
+@dataclass(frozen=True)
+class JobShared:
+    """The drafter side's shared state, allocated by the job before anything spawns and
+    handed to the actors that use it (``params``, ``metrics``)."""
+
+    weights: WeightStore
+    grads: GradAccumulators
+    batch_stats: torch.Tensor
+    step_stats: torch.Tensor
+
+    @classmethod
+    def allocate(cls, layout: ParamLayout, cfg: Config, schedule: Schedule) -> "JobShared":
+        return cls(WeightStore.allocate(layout), GradAccumulators.allocate(layout, cfg.topology.num_drafters),
+                   batch_table(schedule.total_batches, cfg.drafter.block_size), step_table(schedule.total_steps))
+
+
+def rings(cfg: Config, feature_width: int, feature_dtype: str) -> list[RingSpec]:
+    """The batch ring and the feature ring, both in (pinned) host memory: the drafter
+    reads the batch fields through numpy views of its feature slot."""
+    b, r = cfg.batching, cfg.runtime
+    return [RingSpec("batch", r.batch_slots, ring_fields(b.token_budget, b.max_samples)),
+            RingSpec("features", r.feature_slots,
+                     ring_fields(b.token_budget, b.max_samples, feature_width, feature_dtype))]
+
+
+def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared, train_path: Path,
+           first_step: int) -> list[Stage]:
+    s = shared
+    return [
+        Stage("loader", Loader, State.PLANNED, State.LOADED, out_ring="batch", credit=cfg.runtime.batch_slots,
+              spec=LoaderSpec(cfg, schedule, str(train_path))),
+        Stage("target", Target, State.LOADED, State.FEATURED, count=cfg.topology.num_targets,
+              in_ring="batch", out_ring="features", credit=1, spec=TargetSpec(cfg, devices.targets)),
+        Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=cfg.topology.num_drafters,
+              in_ring="features", route=schedule.drafter_of, after_commit=schedule.first_of_own_step,
+              spec=DrafterSpec(cfg, schedule, devices.drafters, s.weights, s.grads, s.batch_stats)),
+        Stage("optimizer", Optimizer, State.GRAD_DONE, State.COMMITTED, route=in_order, credit=schedule.per_step,
+              spec=OptimizerSpec(cfg, schedule, devices.drafters[0], first_step, s.weights, s.grads,
+                                 s.batch_stats, s.step_stats)),
+    ]
