@@ -197,7 +197,7 @@ def actor_main(cls: type, ctx: ActorContext) -> None:
     # Ctrl-C reaches the whole process group; only the supervisor decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(ctx.num_threads)
-    hb, n, conn = ctx.heartbeats, ctx.number, ctx.conn
+    hb, n = ctx.heartbeats, ctx.number
     hb.reset(n, os.getpid())
     actor = None
     try:
@@ -205,23 +205,8 @@ def actor_main(cls: type, ctx: ActorContext) -> None:
         actor = cls(ctx)
         actor.attach()
         hb.set(n, phase=Phase.IDLE)
-        conn.send(Ready(ctx.actor_id, os.getpid()))
-        done = 0
-        while True:
-            if not conn.poll(ctx.heartbeat_s):
-                hb.set(n)
-                continue
-            msg = conn.recv()
-            if isinstance(msg, Stop):
-                raise Shutdown(msg.reason)
-            if not isinstance(msg, Work):
-                raise TypeError(f"unexpected message {msg!r}")
-            hb.set(n, phase=Phase.WORKING, batch=msg.batch_id)
-            actor.work(msg)
-            ctx.ledger.commit(msg.batch_id, ctx.to_state)
-            done += 1
-            hb.set(n, phase=Phase.IDLE, batch=-1, done=done)
-            conn.send(Done(ctx.actor_id, msg.batch_id))
+        ctx.conn.send(Ready(ctx.actor_id, os.getpid()))
+        _serve(actor, ctx)
     except Shutdown:
         hb.set(n, phase=Phase.DRAINING)
         if actor is not None:
@@ -232,10 +217,32 @@ def actor_main(cls: type, ctx: ActorContext) -> None:
         err = ActorError(ctx.actor_id, type(e).__name__, str(e), traceback.format_exc(),
                          raised=e if isinstance(e, Escalate) else None)
         try:
-            conn.send(err)
+            ctx.conn.send(err)
         except OSError:
             pass  # the supervisor is gone; the exit code still tells
         _exit(1)
+
+
+def _serve(actor: Actor, ctx: ActorContext) -> None:
+    """Do Work as it comes, each ending in the ledger commit and then Done; beat while
+    idle. Raises Shutdown on Stop."""
+    hb, n, conn = ctx.heartbeats, ctx.number, ctx.conn
+    done = 0
+    while True:
+        if not conn.poll(ctx.heartbeat_s):
+            hb.set(n)
+            continue
+        msg = conn.recv()
+        if isinstance(msg, Stop):
+            raise Shutdown(msg.reason)
+        if not isinstance(msg, Work):
+            raise TypeError(f"unexpected message {msg!r}")
+        hb.set(n, phase=Phase.WORKING, batch=msg.batch_id)
+        actor.work(msg)
+        ctx.ledger.commit(msg.batch_id, ctx.to_state)
+        done += 1
+        hb.set(n, phase=Phase.IDLE, batch=-1, done=done)
+        conn.send(Done(ctx.actor_id, msg.batch_id))
 
 
 def _exit(code: int) -> None:

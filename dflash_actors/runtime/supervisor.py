@@ -10,17 +10,13 @@ State machine of the job::
 STOPPING: no new Work; ``Stop`` to every actor, which finishes the Work already queued;
 join until ``grace_s``; SIGTERM; SIGKILL.
 
-Restart policy, per actor (``RestartPolicy.decide``, after the dispatcher has recovered
-the dead actor's in-flight batches from the ledger), as Ray Train's failure policy maps
-an error to a decision:
-  * RESTART: Erlang's ``one_for_one``, the dead actor is restarted alone;
-  * GIVE_UP: more than ``max_restarts`` deaths within ``restart_window_s`` for one actor
-    fail the job with one line naming the actor, its exit cause and last traceback;
-  * RAISE: the actor died of an ``actor.Escalate`` error, which no restart can fix; the
-    job stops and the caller gets the exception (the training job rolls back).
-An actor counts as dead when its process exits (sentinel), and as hung, then killed,
-when its heartbeat is older than ``hang_timeout_s`` (before Ready: when it is not ready
-``start_timeout_s`` after spawn).
+When an actor dies, the dispatcher first recovers its in-flight batches from the
+ledger; then its ``policy.RestartPolicy`` decides: RESTART it alone, GIVE_UP (a crash
+loop: the job fails with one line naming the actor, its exit cause and its last
+traceback), or RAISE (an ``actor.Escalate`` error: the job stops and the caller gets
+the exception; the training job rolls back). An actor counts as dead when its process
+exits (sentinel), and as hung, then killed, when its heartbeat is older than
+``hang_timeout_s`` (before Ready: when it is not ready ``start_timeout_s`` after spawn).
 
 The loop blocks in ``multiprocessing.connection.wait`` on process sentinels, actor pipes
 and a signal wakeup socket, with a timeout equal to the next deadline (status write or
@@ -42,7 +38,6 @@ The training job's wiring (``dflash_actors.wiring``) is the real example.
 
 from __future__ import annotations
 
-import collections
 import enum
 import json
 import os
@@ -64,6 +59,7 @@ from .dispatch import Dispatcher, Stage
 from .events import EventLog
 from .ledger import Ledger
 from .messages import ActorError, Done, Ready, Stop
+from .policy import Decision, RestartPolicy
 
 STATUS_PERIOD_S = 1.0
 TERM_WAIT_S = 2.0       # after SIGTERM, before SIGKILL
@@ -92,35 +88,6 @@ class JobResult:
     @property
     def exit_code(self) -> int:
         return {JobState.DONE: 0, JobState.STOPPED: 130}.get(self.state, 1)
-
-
-class Decision(enum.Enum):
-    RESTART = "restart"
-    GIVE_UP = "give_up"
-    RAISE = "raise"
-
-
-class RestartPolicy:
-    """Per actor: what its death means. An ``Escalate`` error is raised to the caller;
-    otherwise Erlang's restart intensity: more than ``max_restarts`` deaths within any
-    ``window_s`` seconds means give up."""
-
-    def __init__(self, max_restarts: int, window_s: float):
-        self.max_restarts, self.window_s = max_restarts, window_s
-        self._deaths: collections.deque[float] = collections.deque()
-
-    def decide(self, now: float, error: Optional[ActorError]) -> Decision:
-        """Record a death at ``now`` (``error``: what the actor reported, if anything)."""
-        if error is not None and error.raised is not None:
-            return Decision.RAISE
-        self._deaths.append(now)
-        while now - self._deaths[0] > self.window_s:
-            self._deaths.popleft()
-        return Decision.RESTART if len(self._deaths) <= self.max_restarts else Decision.GIVE_UP
-
-    @property
-    def recent(self) -> int:
-        return len(self._deaths)
 
 
 @dataclass

@@ -145,6 +145,10 @@ def test_kill_whole_job_during_checkpoint_then_resume(cache_dir, tmp_path):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["resumed_from"] == 3 and summary["step"] == summary["total_steps"]
     assert not list(ckpts.glob(".tmp-*"))
+    # One id space: the resumed ledger spans the whole run, its first 3 steps committed.
+    start = [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines()
+             if '"event": "start"' in x][-1]
+    assert start["committed_before"] == 3 * 2 and start["batches"] == summary["total_steps"] * 2
     cfg = small_config(cache_dir, tmp_path / "ref", "2-2", *RESUME_LEN)
     ref = train_reference(cfg, progress=False)
     assert_same_weights(final_weights(run_dir), ref.state_dict)

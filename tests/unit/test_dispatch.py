@@ -211,7 +211,7 @@ def test_a_resumed_ledger_dispatches_only_what_is_left():
 def test_restart_policy_is_a_sliding_window_and_raises_escalations():
     from dflash_actors.runtime.actor import Escalate
     from dflash_actors.runtime.messages import ActorError
-    from dflash_actors.runtime.supervisor import Decision, RestartPolicy
+    from dflash_actors.runtime.policy import Decision, RestartPolicy
     p = RestartPolicy(max_restarts=2, window_s=10.0)
     assert [p.decide(t, None) for t in (0.0, 1.0, 2.0)] == [Decision.RESTART] * 2 + [Decision.GIVE_UP]
     p = RestartPolicy(max_restarts=2, window_s=10.0)
