@@ -162,7 +162,9 @@ class Job:
             progress.close()
 
     def _checkpoint(self) -> Path:
-        """The final checkpoint, from the shared state (consistent: no actor is left)."""
+        """The final checkpoint, from the shared state (consistent: no actor is left),
+        and no leftovers of writes a kill cut short."""
+        remove_partial(self.run_dir)
         store = self.shared.weights
         version = store.version
         last = latest_checkpoint(self.run_dir)

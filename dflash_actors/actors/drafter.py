@@ -9,7 +9,7 @@ Contract:
             then commits GRAD_DONE and the feature slot is freed
   waits for nothing: the supervisor sends batch b only once every batch of the steps
             before s is committed, i.e. once the optimizer has published version s
-            (the stage's ``after_commit``), so the weights it needs are always there
+            (the stage's ``barrier``), so the weights it needs are always there
   on restart rebuilds the module (cheap: weights come from the store); a batch the
             header already names is not added again, and the next batch continues
             from the committed running sum, so the sum is bit-identical to one never

@@ -7,13 +7,15 @@ Contract:
             step s it reads every drafter's sum for s.
   produces  step s (``optim.reduce_and_step``, the reference's step math); the step's
             metrics row; then weights + moments of version s+1 in the inactive buffer
-            and the version store (commit point); a checkpoint every
-            ``train.checkpoint_every`` steps. The base then commits COMMITTED, which is
-            what lets the supervisor send the drafters the batches of step s+1.
+            and the version store (commit point). The base then commits COMMITTED,
+            which is what lets the supervisor send the drafters the batches of step
+            s+1; only after that (``after_commit``, while the drafters work) comes the
+            checkpoint of every ``train.checkpoint_every``-th version.
   waits for nothing: its Work arrives only once the batch is GRAD_DONE.
   on restart reloads weights, AdamW moments and the schedule position from the active
             buffer. A step whose version is already committed is not redone; a step
-            killed before its commit is redone from the same inputs, identically. If the
+            killed before its commit is redone from the same inputs, identically; a
+            checkpoint the kill interrupted is written before the next step. If the
             active state itself is untrustworthy (``WeightStore.problem``) it raises
             ``RollbackRequired``: restarting would only meet the same state again, so
             the supervisor stops the job and the job rolls back to its last checkpoint.
@@ -71,15 +73,20 @@ class Optimizer(Actor):
         version = store.version
         store.load_params(self.params, version)
         restore(self.opt, self.sched, self.params, version, *store.moments(version))
+        # A kill may have cut the checkpoint of this version short: write it before the
+        # next step changes the state (not here: a long write would look like a hang).
+        self.owed_checkpoint = version
 
     def work(self, w) -> None:
         sched, store, acc = self.spec.schedule, self.spec.weights, self.spec.grads
+        if self.owed_checkpoint is not None:
+            self._maybe_checkpoint(self.owed_checkpoint)
+            self.owed_checkpoint = None
         if not sched.is_last_of_step(w.batch_id):
             return
         s = sched.step_of(w.batch_id)
         if store.version == s + 1:
-            self._maybe_checkpoint(s + 1)    # committed before a kill; the checkpoint may not be
-            return
+            return      # committed before a kill; only the ledger commit was lost
         if store.version != s:
             raise ProtocolError(f"step {s} ends at batch {w.batch_id} but the weights are at v{store.version}")
         shards = [sched.drafter_batches(s, j) for j in range(sched.num_drafters)]
@@ -96,12 +103,17 @@ class Optimizer(Actor):
         write_step(self.spec.step_stats, s, stats, lr, norm, tokens)
         states = [self.opt.state[p] for p in self.params]
         store.publish(s + 1, self.params, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states])
-        self._maybe_checkpoint(s + 1)
+
+    def after_commit(self, w) -> None:
+        sched = self.spec.schedule
+        if sched.is_last_of_step(w.batch_id):
+            self._maybe_checkpoint(sched.step_of(w.batch_id) + 1)
 
     def _maybe_checkpoint(self, version: int) -> None:
+        """Write the checkpoint of ``version`` (the committed one) if it is due and missing."""
         cfg = self.spec.cfg
         every = cfg.train.checkpoint_every
-        if not every or version % every or version == self.spec.schedule.total_steps:
+        if not every or not version or version % every or version == self.spec.schedule.total_steps:
             return      # the final checkpoint is written by the job once actors stop
         run_dir = cfg.runtime.run_dir
         last = latest_checkpoint(run_dir)

@@ -10,7 +10,8 @@ Contract of every actor process:
 
 Lifecycle::
 
-    spawned -> attaching (attach()) -> idle <-> working (work(w)) -> draining (drain()) -> exit 0
+    spawned -> attaching (attach()) -> idle <-> working (work(w), commit, Done, after_commit(w))
+            -> draining (drain()) -> exit 0
                       Escalate        -> ActorError(raised=e) -> exit 1 -> the job stops
                       other exception -> ActorError           -> exit 1 -> restart
 
@@ -151,6 +152,11 @@ class Actor:
         complete (CUDA writers synchronize first). The base commits the ledger after."""
         raise NotImplementedError
 
+    def after_commit(self, w: Work) -> None:
+        """Work that may follow the commit of ``w`` (its Done is already sent, so the
+        next stage can start): the batch is final, and a kill in here loses nothing the
+        ledger needs. Whatever this does, the actor must be able to redo on restart."""
+
     def drain(self) -> None:
         """Flush before an orderly exit."""
 
@@ -224,8 +230,8 @@ def actor_main(cls: type, ctx: ActorContext) -> None:
 
 
 def _serve(actor: Actor, ctx: ActorContext) -> None:
-    """Do Work as it comes, each ending in the ledger commit and then Done; beat while
-    idle. Raises Shutdown on Stop."""
+    """Do Work as it comes: ``work``, the ledger commit, Done, then ``after_commit``;
+    beat while idle. Raises Shutdown on Stop."""
     hb, n, conn = ctx.heartbeats, ctx.number, ctx.conn
     done = 0
     while True:
@@ -240,9 +246,10 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
         hb.set(n, phase=Phase.WORKING, batch=msg.batch_id)
         actor.work(msg)
         ctx.ledger.commit(msg.batch_id, ctx.to_state)
+        conn.send(Done(ctx.actor_id, msg.batch_id))
+        actor.after_commit(msg)
         done += 1
         hb.set(n, phase=Phase.IDLE, batch=-1, done=done)
-        conn.send(Done(ctx.actor_id, msg.batch_id))
 
 
 def _exit(code: int) -> None:

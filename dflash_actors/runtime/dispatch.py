@@ -14,8 +14,8 @@ Rules, chosen so that restarts never change what a consumer sees:
     b; after a death that actor's cursor goes back to the lowest batch put back, so the
     replacement resumes the same sequence. The route is the caller's rule (the
     training job's is ``Schedule.drafter_of``), asked, never re-derived here;
-  * a stage with ``after_commit`` sends batch b only once every batch below
-    ``after_commit(b)`` has reached the final state (the training job's drafters wait
+  * a stage with a ``barrier`` sends batch b only once every batch below
+    ``barrier(b)`` has reached the final state (the training job's drafters wait
     this way for the weights of their step, which the last stage publishes);
   * each actor holds at most ``credit`` dispatched batches (prefetch depth);
   * recovery (``on_death``) reads the ledger, not the dead actor's messages: see
@@ -53,7 +53,7 @@ class Stage:
     route: Optional[Callable[[int], int]] = None
     """Batch id -> index of the actor that must take it (each in increasing id);
     None: any free actor takes the lowest ready batch."""
-    after_commit: Optional[Callable[[int], int]] = None
+    barrier: Optional[Callable[[int], int]] = None
     """Batch id -> the id below which every batch must be final before it goes out."""
     credit: int = 2
     spec: Any = None
@@ -217,7 +217,7 @@ class Dispatcher:
     # -- internals ------------------------------------------------------------
 
     def _open(self, stage: Stage, b: int) -> bool:
-        return stage.after_commit is None or stage.after_commit(b) <= self._frontier
+        return stage.barrier is None or stage.barrier(b) <= self._frontier
 
     def _push(self, i: int, b: int) -> None:
         # Routed stages pick by cursor and need only the set; the others pop the heap.

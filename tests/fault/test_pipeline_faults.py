@@ -218,3 +218,35 @@ def test_untrustworthy_optimizer_state_rolls_back_to_the_last_checkpoint(cache_d
     ref = train_reference(cfg, progress=False)
     assert_same_weights(final_weights(tmp_path / "run"), ref.state_dict)
     assert losses(tmp_path / "run") == ref.losses[result.summary["resumed_from"]:]
+
+
+def test_optimizer_killed_mid_checkpoint_writes_it_after_restart(cache_dir, tmp_path, monkeypatch):
+    # The periodic checkpoint is written after the step's commit, while the drafters go
+    # on; a kill there must not lose it: the replacement writes it before its next step.
+    for k, v in SLOW_CHECKPOINTS.items():
+        monkeypatch.setenv(k, v)       # the spawned actors start with this environment
+    run_dir = tmp_path / "run"
+    cfg = small_config(cache_dir, run_dir, "2-2", "train.checkpoint_every=3")
+    job = Job(cfg, progress=False)
+    killed = {}
+
+    def kill_mid_write():
+        end = time.monotonic() + 240
+        while time.monotonic() < end and not list((run_dir / "checkpoints").glob(".tmp-step-0000003-*")):
+            time.sleep(0.02)
+        killed["pid"] = read_status(run_dir)["actors"]["optimizer.0"]["pid"]
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    t = threading.Thread(target=kill_mid_write, daemon=True)
+    t.start()
+    result = job.run()
+    t.join(5)
+    assert killed, "the checkpoint write was never seen"
+    assert result.exit_code == 0, result.reason
+    assert result.summary["restarts_by_actor"] == {"optimizer.0": 1}
+    names = [p.name for p in (run_dir / "checkpoints").iterdir()]
+    assert "step-0000003" in names and not [n for n in names if n.startswith(".tmp")]
+    assert load_trainer_state(run_dir / "checkpoints" / "step-0000003")["next_batch"] == 3 * 2
+    ref = train_reference(cfg, progress=False)
+    assert_same_weights(final_weights(run_dir), ref.state_dict)
+    assert losses(run_dir) == ref.losses

@@ -151,12 +151,12 @@ def test_a_route_other_than_modulo_is_followed_and_survives_deaths():
         assert [b for b in d.committed if route(b) == j] == [b for b in range(30) if route(b) == j]
 
 
-def test_after_commit_holds_a_stage_until_earlier_batches_are_final():
+def test_a_barrier_holds_a_stage_until_earlier_batches_are_final():
     """A stage gated on the final state: batches of "step" k (4 ids each) go out only
     once every batch of the steps before is committed."""
     stages = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", credit=8),
               Stage("worker", Actor, State.LOADED, State.FEATURED, in_ring="batch", route=in_order, credit=8,
-                    after_commit=lambda b: b - b % 4),
+                    barrier=lambda b: b - b % 4),
               Stage("sink", Actor, State.FEATURED, State.COMMITTED, route=in_order, credit=8)]
     ledger = Ledger.allocate(12)
     d = Dispatcher(stages, [_ring("batch", 12)], ledger, _members(stages))
