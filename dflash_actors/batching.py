@@ -30,6 +30,7 @@ transformers' packed-mask trap. Length grouping keeps that padded form >= 95% re
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,7 +175,7 @@ class BatchMeta:
         return self.n_samples, self.n_tokens, self.max_len
 
 
-META_COLS = 3
+META_COLS = len(dataclasses.fields(BatchMeta))
 """Ledger meta columns a batch's shape takes."""
 
 

@@ -38,8 +38,6 @@ from .runtime.config import (
     optional,
 )
 
-__all__ = ["ConfigError", "RuntimeConfig", "Config", "load_config", "config_from_dict", "DEFAULT_CONFIG"]
-
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 """The embedded default: a tiny synthetic target and dataset, on CPU."""
 

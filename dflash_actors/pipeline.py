@@ -122,22 +122,23 @@ class Job:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         rollbacks = 0
-        with EventLog(self.run_dir / "events.log") as events:
-            while True:
-                if self.start.version == self.schedule.total_steps:
-                    return self._finish(0, "already complete", {}, rollbacks)
-                result = self._attempt(events)
-                if not isinstance(result.raised, RollbackRequired):
-                    break
-                ckpt = latest_checkpoint(self.run_dir)
-                events.log("rollback", to=ckpt.name if ckpt else "start", reason=str(result.raised))
-                if rollbacks >= self.cfg.runtime.max_restarts:
-                    return self._finish(1, f"gave up after {rollbacks} rollbacks; last: {result.raised}",
-                                        result.restarts, rollbacks)
-                rollbacks += 1
-                print(f"rolling back to {ckpt.name if ckpt else 'the start'}: {result.raised}", file=sys.stderr)
-                self.start = load_start(self.cfg, self.target, self.run_dir, resume=ckpt is not None)
-                self.shared = self._allocate()
+        while True:
+            if self.start.version == self.schedule.total_steps:
+                return self._finish(0, "already complete", {}, rollbacks)
+            result = self._attempt()
+            if not isinstance(result.raised, RollbackRequired):
+                break
+            ckpt = latest_checkpoint(self.run_dir)
+            to = ckpt.name if ckpt else "start"
+            with EventLog(self.run_dir / "events.log") as events:   # the supervisor's log, closed by now
+                events.log("rollback", to=to, reason=str(result.raised))
+            if rollbacks >= self.cfg.runtime.max_restarts:
+                return self._finish(1, f"gave up after {rollbacks} rollbacks; last: {result.raised}",
+                                    result.restarts, rollbacks)
+            rollbacks += 1
+            print(f"rolling back to {to}: {result.raised}", file=sys.stderr)
+            self.start = load_start(self.cfg, self.target, self.run_dir, resume=ckpt is not None)
+            self.shared = self._allocate()
         self._checkpoint()
         if result.state is JobState.FAILED and result.traceback:
             (self.run_dir / "error.txt").write_text(result.traceback)
@@ -145,7 +146,7 @@ class Job:
         out.committed = result.committed
         return out
 
-    def _attempt(self, events: EventLog) -> JobResult:
+    def _attempt(self) -> JobResult:
         """One supervisor run over this attempt's shared state."""
         cfg, sched, first = self.cfg, self.schedule, self.start.version
         feature_dtype = DTYPE_NAMES[resolve_dtype(cfg.target.dtype, torch.device(self.pre.devices.targets[0]))]
@@ -155,7 +156,7 @@ class Job:
                                    self.progress)
         sup = Supervisor(cfg.runtime, stages, wiring.rings(cfg, width, feature_dtype), sched.total_batches,
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
-                         num_threads=cfg.train.num_threads, on_status=progress, events=events)
+                         num_threads=cfg.train.num_threads, on_status=progress)
         try:
             return sup.run()
         finally:

@@ -15,9 +15,10 @@ Lifecycle::
                       Escalate        -> ActorError(raised=e) -> exit 1 -> the job stops
                       other exception -> ActorError           -> exit 1 -> restart
 
-An actor is a class with ``attach``, ``work`` and ``drain``. What it gets: its rings and
-the ledger (``ActorContext``, the same for every stage) and ``self.spec``, the stage's
-frozen dataclass of what this role needs (its config, its shared buffers).
+An actor is a class with ``attach``, ``work``, ``after_commit`` and ``drain``. What it
+gets: its rings and the ledger (``ActorContext``, the same for every stage) and
+``self.spec``, the stage's frozen dataclass of what this role needs (its config, its
+shared buffers).
 Work that can take longer than ``runtime.hang_timeout_s`` calls ``self.beat()`` now and
 then: the supervisor kills an actor whose heartbeat is older than that, which is how a
 hung actor is told apart from a slow one.

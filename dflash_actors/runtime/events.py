@@ -2,9 +2,9 @@
 
 Schema of a line: ``t`` (unix time), ``mono`` (``time.monotonic()``, the clock of the
 heartbeat table, so intervals between lines are exact), ``event``, then the event's
-own fields; a decision carries a ``reason``. The supervisor logs its decisions here,
-and the job that runs it logs its own (a rollback) through the same object, so the
-file has one writer and one schema.
+own fields; a decision carries a ``reason``. The supervisor logs its decisions through
+this class, and the training job its own (a rollback, between two supervisor runs),
+so the file has one writer and one schema.
 """
 
 from __future__ import annotations

@@ -111,14 +111,12 @@ class _Child:
 class Supervisor:
     def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec],
                  n_batches: int, *, meta_cols: int = 0, first_batch: int = 0, num_threads: int = 1,
-                 on_status: Optional[Callable[[dict], None]] = None, events: Optional[EventLog] = None):
+                 on_status: Optional[Callable[[dict], None]] = None):
         """Allocates every shared buffer (rings, ledger, heartbeats); spawns nothing yet.
         Batch ids are ``0 .. n_batches-1``; those below ``first_batch`` count as committed
         (a resumed run). ``meta_cols``: ints per ledger row for the first stage to fill.
         ``on_status(status)`` runs before each status.json write and may add keys (the
-        training job adds its step and loss, and moves its progress bar). ``events``:
-        the job's event log, if the caller logs there too; else the supervisor opens
-        ``<run_dir>/events.log`` itself."""
+        training job adds its step and loss, and moves its progress bar)."""
         self.cfg = runtime
         self.run_dir = Path(runtime.run_dir)
         self.rings = {spec.name: Ring.allocate(spec) for spec in rings}
@@ -137,15 +135,13 @@ class Supervisor:
         self.state = JobState.RUNNING
         self._mp = tmp.get_context("spawn")
         self._stop_signal: Optional[str] = None
-        self._events = events
-        self._own_events = events is None
+        self._events: Optional[EventLog] = None
 
     # -- public ----------------------------------------------------------------
 
     def run(self) -> JobResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self._own_events:
-            self._events = EventLog(self.run_dir / "events.log")
+        self._events = EventLog(self.run_dir / "events.log")
         restore = self._install_signals()
         result = None
         try:
@@ -167,8 +163,7 @@ class Supervisor:
                 self.state = result.state
                 self._log("end", state=result.state.value, reason=result.reason, restarts=result.restarts)
             self._write_status()
-            if self._own_events:
-                self._events.close()
+            self._events.close()
         return result
 
     def request_stop(self, reason: str) -> None:

@@ -115,7 +115,7 @@ def test_death_after_commit_settles_instead_of_redoing():
     assert sorted((a, w.batch_id, w.in_slot) for a, w in sent) == [(0, 1, -1), (1, 0, 0)]
 
 
-def test_ordered_stage_resumes_at_the_lowest_batch_put_back():
+def test_routed_stage_resumes_at_the_lowest_batch_put_back():
     d, ledger, stages = _setup(6, batch_slots=6, feature_slots=6, credit=6)
     sent = []
     for _ in range(4):       # load and feature everything; the drafter gets all, in order
