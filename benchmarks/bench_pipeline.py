@@ -1,20 +1,29 @@
-"""Pipeline vs the lock-step reference on the demo config, side by side in one run.
+"""What the pipeline buys: pipelined against lock-step against the bound, per topology.
 
-    python -m benchmarks.bench_pipeline [--set key=value ...]
+    python -m benchmarks.bench_pipeline [--topologies 1-1,2-2,3-1,1-3] [--epochs 2]
 
-Trains the same config three ways: the single-process reference trainer with M=2
-(the same work as 2-2), then ``launch``'s pipeline at 1-1 and at 2-2. Reports for each
-tokens/s over the whole wall time, and for the pipeline also the steady-state rate
-(tokens between the first and the last optimizer step over that time), since actor
-start-up (imports, model loads) is a fixed cost that a tiny CPU demo cannot amortize.
-The two pipelines must end bit-identical to their reference; ``identical`` says so.
-Prints one JSON line.
+Every run is the real training job (real processes, rings, ledger, optimizer) under
+simulated compute (``benchmarks.simulated``: target 3x the drafter per token). For each
+topology it runs the pipelined schedule and the lock-step one, reads both traces, and
+reports:
+  * steady tokens/s of each (from the first optimizer publish to the last);
+  * the bound: the slowest stage at the stage costs the pipelined trace measured
+    (``costmodel.bound_batches_per_s``: the drafter stage includes the optimizer step it
+    waits for), ``efficiency = pipelined / bound``, ``speedup = pipelined / lockstep``
+    and the ideal speedup those costs allow; the control overhead per batch is what
+    the pipelined run took beyond the bound;
+  * each stage's busy fraction in both schedules;
+  * bytes per batch through each buffer, at this machine's measured copy bandwidth;
+  * a paper projection for Qwen3-8B- and Qwen3.6-27B-shaped targets, and the advised
+    topology for 4 and 8 devices from the measured 2-2 costs.
+Prints one JSON line (``make bench`` renders it as a table).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -22,54 +31,90 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from dflash_actors.checkpoint import latest_checkpoint
-from dflash_actors.config import load_config
-from dflash_actors.metrics import read_steps
-from dflash_actors.models.drafter import DFlashDrafter
-from dflash_actors.models.target import ensure_target
-from dflash_actors.pipeline import Job
-from dflash_actors.reference import train_reference
+from benchmarks import simulated
+from dflash_actors import costmodel
+from dflash_actors.config import parse_topology
 
-ROOT = Path(__file__).resolve().parents[1]
+GOAL_EFFICIENCY = 0.95
+GOAL_SPEEDUP_OF_IDEAL = 0.95
+TFLOPS = 400.0          # assumed sustained bf16 TFLOP/s per H200 (about 40% of its dense peak)
 
 
-def run_pipeline(cfg) -> dict:
-    job = Job(cfg, progress=False)
-    result = job.run()
-    steps = read_steps(job.shared.step_stats)
-    steady_tokens = sum(s["tokens"] for s in steps[1:])
-    steady_s = steps[-1]["time"] - steps[0]["time"]
-    out = {"wall_s": result.summary["wall_s"], "tokens_per_s": result.summary["tokens_per_s"],
-           "steady_tokens_per_s": round(steady_tokens / max(steady_s, 1e-9), 1)}
-    return out
+def copy_gb_per_s(mib: int = 64, repeats: int = 7) -> float:
+    """This machine's memcpy bandwidth between two tensors (median of ``repeats``)."""
+    src = torch.ones(mib << 18)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def topology_record(topology: str, tmp: Path, epochs: int) -> tuple[dict, simulated.Measured]:
+    n, m = parse_topology(topology)
+    runs = {s: simulated.run(simulated.sim_config(tmp / f"{topology}-{s}", topology, s, epochs))
+            for s in ("pipelined", "lockstep")}
+    p, lock = runs["pipelined"], runs["lockstep"]
+    c = p.costs
+    bound = costmodel.bound_batches_per_s(c, n, m, 1)
+    rec = {
+        "topology": topology,
+        "pipelined_tokens_per_s": round(p.tokens_per_s, 1),
+        "lockstep_tokens_per_s": round(lock.tokens_per_s, 1),
+        "bound_tokens_per_s": round(bound * c.tokens_per_batch, 1),
+        "efficiency": round(p.batches_per_s / bound, 3),
+        "speedup": round(p.tokens_per_s / lock.tokens_per_s, 3),
+        "ideal_speedup": round(costmodel.ideal_speedup(c, n, m, 1), 3),
+        "overhead_ms_per_batch": round((1 / p.batches_per_s - 1 / bound) * 1e3, 2),
+        "bottleneck": costmodel.bottleneck(c, n, m, 1),
+        "stage_ms": {"loader": round(c.loader_s * 1e3, 2), "target": round(c.target_s * 1e3, 2),
+                     "drafter": round(c.drafter_s * 1e3, 2), "optimizer_per_step": round(c.optimizer_s * 1e3, 2)},
+        "busy": {stage: {"pipelined": p.busy.get(stage), "lockstep": lock.busy.get(stage)} for stage in p.busy},
+    }
+    return rec, p
+
+
+def bytes_record(p: simulated.Measured, gbps: float) -> dict:
+    """Bytes copied per batch through each buffer in these runs, and their time at ``gbps``."""
+    copied = {
+        "features": 2 * p.costs.tokens_per_batch * simulated.FEATURE_WIDTH * 4,  # target writes, drafter reads
+        "gradients": 2 * p.param_bytes,     # the running sum: loaded and committed by the drafter
+        "weights": p.param_bytes,           # loaded by a drafter once per step (grad_accum 1: per batch)
+    }
+    return {"copy_gb_per_s": round(gbps, 2),
+            "per_batch": {k: {"bytes": int(v), "ms": round(v / gbps / 1e6, 3)} for k, v in copied.items()}}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(ROOT / "configs/default.yaml"))
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--topologies", default="1-1,2-2,3-1,1-3")
+    ap.add_argument("--epochs", type=int, default=2)
     args = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
-    out = {"bench": "pipeline"}
+    records, measured = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        def cfg(topology, name):
-            return load_config(args.config, args.overrides + [f"runtime.run_dir={tmp}/{name}"], topology)
-
-        ref_cfg = cfg("2-2", "ref")
-        ensure_target(ref_cfg)   # the cached synthetic data and tiny target, outside the timings
-        t = time.perf_counter()
-        ref = train_reference(ref_cfg, progress=False)
-        out["reference_m2"] = {"wall_s": round(time.perf_counter() - t, 2), "tokens_per_s": round(ref.tokens_per_s, 1),
-                               "steps": ref.steps}
-        for topology in ("1-1", "2-2"):
-            c = cfg(topology, topology)
-            out[f"pipeline_{topology}"] = run_pipeline(c)
-        final = DFlashDrafter.from_pretrained(latest_checkpoint(f"{tmp}/2-2")).state_dict()
-        out["identical_2_2"] = all(torch.equal(final[k], v) for k, v in ref.state_dict.items()
-                                   if not k.startswith("rotary_emb."))
-    r, p = out["reference_m2"], out["pipeline_2-2"]
-    out["pipeline_2_2_over_reference"] = round(p["tokens_per_s"] / r["tokens_per_s"], 3)
-    out["steady_2_2_over_reference"] = round(p["steady_tokens_per_s"] / r["tokens_per_s"], 3)
+        for topology in args.topologies.split(","):
+            rec, p = topology_record(topology, Path(tmp), args.epochs)
+            records.append(rec)
+            measured[topology] = p
+            print(f"# {topology}: {json.dumps(rec)}", flush=True)
+    ref = measured.get("2-2") or next(iter(measured.values()))
+    w = costmodel.Workload()
+    out = {
+        "bench": "pipeline",
+        "simulated": {"target_us_per_token": simulated.TARGET_US_PER_TOKEN,
+                      "drafter_us_per_token": simulated.DRAFTER_US_PER_TOKEN,
+                      "feature_width": simulated.FEATURE_WIDTH, "epochs": args.epochs,
+                      "tokens_per_batch": round(ref.costs.tokens_per_batch, 1)},
+        "pipeline": records,
+        "goals_met": {"efficiency": all(r["efficiency"] >= GOAL_EFFICIENCY for r in records),
+                      "speedup": all(r["speedup"] >= GOAL_SPEEDUP_OF_IDEAL * r["ideal_speedup"] for r in records)},
+        "bytes": bytes_record(ref, copy_gb_per_s()),
+        "projection": [costmodel.project(costmodel.SHAPES[name], w, TFLOPS) for name in ("qwen3-8b", "qwen3.6-27b")],
+        "advice": {str(d): costmodel.explain(ref.costs, d, 1) for d in (4, 8)},
+    }
     print(json.dumps(out))
     return out
 

@@ -27,6 +27,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from .costmodel import SHAPES, Workload, simulated_costs
 from .runtime.config import (
     ConfigError,
     RuntimeConfig,
@@ -170,6 +171,52 @@ class TopologyConfig:
 
 
 @dataclass(frozen=True)
+class SimulateConfig:
+    """Simulated compute (``runtime.simulate``): target and drafter actors replace their
+    model with a wait of this cost, which leaves the CPU free as a GPU kernel would.
+    Everything else stays real: batches, feature slots of the real width, gradient
+    sums, weights, the optimizer step, every message. ``make bench`` measures the
+    pipeline's own cost this way."""
+
+    enabled: bool = False
+    target_us_per_token: float = checked(0.0, at_least(0))
+    target_ms_per_batch: float = checked(0.0, at_least(0))
+    drafter_us_per_token: float = checked(0.0, at_least(0))
+    drafter_ms_per_batch: float = checked(0.0, at_least(0))
+    model: Optional[str] = None
+    """A ``costmodel.SHAPES`` name (e.g. qwen3-8b): per-token costs derived from that
+    target shape, a 5-layer drafter and ``tflops``, added to the costs above."""
+    tflops: float = checked(400.0, above(0))
+    """Sustained TFLOP/s assumed for ``model``."""
+    feature_width: Optional[int] = checked(None, optional(at_least(1)))
+    """Feature floats per token in the slots; None = what the target would produce."""
+
+    def __post_init__(self):
+        if self.model is not None:
+            if self.model not in SHAPES:
+                raise ConfigError(f"model: unknown shape {self.model!r} (known: {', '.join(sorted(SHAPES))})")
+
+    def costs_us(self) -> tuple[float, float, float, float]:
+        """(target per token, target per batch, drafter per token, drafter per batch), µs."""
+        t_tok, d_tok = self.target_us_per_token, self.drafter_us_per_token
+        if self.model is not None:
+            w = Workload()
+            t_s, d_s = simulated_costs(SHAPES[self.model], w, self.tflops)
+            t_tok, d_tok = t_tok + t_s / w.token_budget * 1e6, d_tok + d_s / w.token_budget * 1e6
+        return t_tok, self.target_ms_per_batch * 1e3, d_tok, self.drafter_ms_per_batch * 1e3
+
+
+@dataclass(frozen=True)
+class JobRuntimeConfig(RuntimeConfig):
+    """The runtime's section plus the training job's own runtime choices."""
+
+    schedule: Literal["pipelined", "lockstep"] = "pipelined"
+    """lockstep: the old loop, for comparison: each step loads, then runs the targets,
+    then the drafters, then the optimizer, with no overlap (same math, same bytes)."""
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -177,7 +224,7 @@ class Config:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    runtime: JobRuntimeConfig = field(default_factory=JobRuntimeConfig)
 
     def __post_init__(self):
         if self.drafter.block_size > self.batching.token_budget:
@@ -192,6 +239,13 @@ class Config:
             raise ConfigError(
                 f"drafter.block_size: must be <= data.max_seq_len={self.data.max_seq_len} "
                 f"(got {self.drafter.block_size})")
+        per_step = self.train.grad_accum * self.topology.num_drafters
+        if self.runtime.schedule == "lockstep":
+            # A lock-step group holds a whole step's batches in each ring at once.
+            for name in ("batch_slots", "feature_slots"):
+                if getattr(self.runtime, name) < per_step:
+                    raise ConfigError(f"runtime.{name}: lockstep holds a whole step at once, so it needs "
+                                      f">= grad_accum * drafters = {per_step} (got {getattr(self.runtime, name)})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -47,6 +47,7 @@ from .preflight import preflight
 from .runtime.events import EventLog
 from .runtime.supervisor import JobResult, JobState, Supervisor
 from .schedule import Schedule
+from .simulate import feature_width
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -150,7 +151,7 @@ class Job:
         """One supervisor run over this attempt's shared state."""
         cfg, sched, first = self.cfg, self.schedule, self.start.version
         feature_dtype = DTYPE_NAMES[resolve_dtype(cfg.target.dtype, torch.device(self.pre.devices.targets[0]))]
-        width = len(self.target.layer_ids) * self.target.hidden_size
+        width = feature_width(cfg, self.target)
         stages = wiring.stages(cfg, sched, self.pre.devices, self.shared, self.pre.train_path, first)
         progress = report.Progress(self.shared.step_stats, self.shared.weights, first, sched.total_steps,
                                    self.progress)

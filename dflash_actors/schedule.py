@@ -69,6 +69,11 @@ class Schedule:
     def first_of_own_step(self, b: int) -> int:
         return self.first_of_step(self.step_of(b))
 
+    def step_batches(self, b: int) -> range:
+        """Every batch of b's step (a lock-step group)."""
+        first = self.first_of_own_step(b)
+        return range(first, first + self.per_step)
+
     def drafter_of(self, b: int) -> int:
         return b % self.num_drafters
 

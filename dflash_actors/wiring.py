@@ -11,6 +11,11 @@ four stages, each given a typed spec of exactly what it needs.
 "Once step(b)'s weights exist": the optimizer commits the last batch of step s only
 after it has published weight version s+1, so a drafter batch of step s+1 is sent only
 once every batch below ``Schedule.first_of_step(s+1)`` is committed.
+
+``runtime.schedule: lockstep`` rebuilds the old loop from the same stages, for the
+benchmarks: the loader starts a step only once the previous one is committed, and the
+targets and the drafters each start only once the whole step has reached them
+(``Stage.gather``). The math is the same; only the overlap goes.
 """
 
 from __future__ import annotations
@@ -71,13 +76,16 @@ def rings(cfg: Config, feature_width: int, feature_dtype: str) -> list[RingSpec]
 def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared, train_path: Path,
            first_step: int) -> list[Stage]:
     s = shared
+    lockstep = cfg.runtime.schedule == "lockstep"
+    gather = schedule.step_batches if lockstep else None
     return [
         Stage("loader", Loader, State.PLANNED, State.LOADED, out_ring="batch", credit=cfg.runtime.batch_slots,
+              barrier=schedule.first_of_own_step if lockstep else None,
               spec=LoaderSpec(cfg, schedule, str(train_path))),
         Stage("target", Target, State.LOADED, State.FEATURED, count=cfg.topology.num_targets,
-              in_ring="batch", out_ring="features", credit=1, spec=TargetSpec(cfg, devices.targets)),
+              in_ring="batch", out_ring="features", credit=1, gather=gather, spec=TargetSpec(cfg, devices.targets)),
         Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=cfg.topology.num_drafters,
-              in_ring="features", route=schedule.drafter_of, barrier=schedule.first_of_own_step,
+              in_ring="features", route=schedule.drafter_of, barrier=schedule.first_of_own_step, gather=gather,
               spec=DrafterSpec(cfg, schedule, devices.drafters, s.weights, s.grads, s.batch_stats)),
         Stage("optimizer", Optimizer, State.GRAD_DONE, State.COMMITTED, route=in_order, credit=schedule.per_step,
               spec=OptimizerSpec(cfg, schedule, devices.drafters[0], first_step, s.weights, s.grads,

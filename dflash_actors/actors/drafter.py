@@ -14,6 +14,8 @@ Contract:
             header already names is not added again, and the next batch continues
             from the committed running sum, so the sum is bit-identical to one never
             interrupted.
+Under ``runtime.simulate`` forward and backward are a wait: the features are still
+copied out of the slot (and their stamp checked), and every gradient still written.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..params import GradAccumulators, WeightStore
 from ..runtime.actor import Actor
 from ..runtime.dispatch import ProtocolError
 from ..schedule import Schedule
+from ..simulate import SimulatedCompute, fake_backward, no_stats, stamp_problem, wait
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,10 @@ class Drafter(Actor):
         self.params = list(self.model.parameters())
         self.gamma = decay_gamma(self.spec.cfg)
         self.version = -1
+        self.sim = SimulatedCompute.from_config(self.spec.cfg)
+        if self.sim is not None:
+            like = self.in_ring.slot(0)[FEATURES]
+            self.sink = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         self.in_ring.pin()
 
     def _load_weights(self, s: int) -> None:
@@ -73,25 +80,47 @@ class Drafter(Actor):
         b, sched, acc = w.batch_id, self.spec.schedule, self.spec.grads
         if acc.last_batch(self.j) >= b:
             return      # added before a kill; only the ledger commit was lost
-        self._load_weights(sched.step_of(b))
-        prev = sched.previous_for_drafter(b)
-        if prev is None:
-            for p in self.params:
-                p.grad = None
-        else:
-            if acc.last_batch(self.j) != prev:
-                raise ProtocolError(f"{self.ctx.actor_id}: batch {b} follows {acc.last_batch(self.j)}, "
-                                    f"expected {prev}")
-            for p, g in zip(self.params, acc.active(self.j)):
-                p.grad = g.to(self.device, copy=True)
+        with self.span("weights", b):
+            self._load_weights(sched.step_of(b))
+        with self.span("gradient load", b):
+            self._load_running_sum(b)
         meta = BatchMeta(*self.ledger.meta(b))
         slot = self.in_ring.slot(w.in_slot)
         batch = Batch.from_buffers(BatchBuffers.from_tensors(slot), meta).to(self.device)
-        features = slot[FEATURES][:meta.n_tokens].to(self.device)
-        epoch, i = sched.locate(b)
-        t = self.spec.cfg.train
-        loss, stats = batch_loss(self.model, self.head, features, batch, num_anchors=t.num_anchors,
-                                 gamma=self.gamma, seed=t.seed, epoch=epoch, batch_id=i)
-        loss.backward()
+        with self.span("drafter forward/backward", b, tokens=meta.n_tokens):
+            stats = self._train(b, batch, slot[FEATURES][:meta.n_tokens])
         write_batch(self.spec.batch_stats, b, stats, meta.n_tokens)
-        acc.commit(self.j, b, [p.grad for p in self.params])
+        with self.span("gradient commit", b):
+            acc.commit(self.j, b, [p.grad for p in self.params])
+
+    def _load_running_sum(self, b: int) -> None:
+        """p.grad = this step's running sum so far (None for the drafter's first batch)."""
+        acc, prev = self.spec.grads, self.spec.schedule.previous_for_drafter(b)
+        if prev is None:
+            for p in self.params:
+                p.grad = None
+            return
+        if acc.last_batch(self.j) != prev:
+            raise ProtocolError(f"{self.ctx.actor_id}: batch {b} follows {acc.last_batch(self.j)}, "
+                                f"expected {prev}")
+        for p, g in zip(self.params, acc.active(self.j)):
+            p.grad = g.to(self.device, copy=True)
+
+    def _train(self, b: int, batch: Batch, slot_features: torch.Tensor):
+        """Forward and backward of batch b (gradients added into p.grad); its stats."""
+        n = len(slot_features)
+        if self.sim is not None:
+            features = self.sink[:n]
+            features.copy_(slot_features)
+            problem = stamp_problem(features, n, b)
+            if problem:
+                raise ProtocolError(f"{self.ctx.actor_id}: feature slot of batch {b} holds {problem}")
+            wait(self.sim.drafter_s(n))
+            fake_backward(self.params)
+            return no_stats(self.spec.cfg.drafter.block_size)
+        epoch, i = self.spec.schedule.locate(b)
+        t = self.spec.cfg.train
+        loss, stats = batch_loss(self.model, self.head, slot_features.to(self.device), batch,
+                                 num_anchors=t.num_anchors, gamma=self.gamma, seed=t.seed, epoch=epoch, batch_id=i)
+        loss.backward()
+        return stats

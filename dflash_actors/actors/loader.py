@@ -38,5 +38,6 @@ class Loader(Actor):
     def work(self, w) -> None:
         epoch, i = self.spec.schedule.locate(w.batch_id)
         out = BatchBuffers.from_tensors(self.out_ring.slot(w.out_slot))
-        meta = assemble(self.dataset, self.plans[epoch].batch(i), out)
+        with self.span("assemble", w.batch_id):
+            meta = assemble(self.dataset, self.plans[epoch].batch(i), out)
         self.ledger.set_meta(w.batch_id, meta.as_ints())

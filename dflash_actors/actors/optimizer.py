@@ -89,20 +89,25 @@ class Optimizer(Actor):
             return      # committed before a kill; only the ledger commit was lost
         if store.version != s:
             raise ProtocolError(f"step {s} ends at batch {w.batch_id} but the weights are at v{store.version}")
+        b = w.batch_id
         shards = [sched.drafter_batches(s, j) for j in range(sched.num_drafters)]
-        shard_grads = []
-        for j, batches in enumerate(shards):
-            if acc.last_batch(j) != batches[-1]:
-                raise ProtocolError(f"drafter.{j}'s sum ends at batch {acc.last_batch(j)}, "
-                                    f"step {s} needs {batches[-1]}")
-            shard_grads.append([g.to(self.device) for g in acc.active(j)])
+        with self.span("gradient read", b):
+            shard_grads = []
+            for j, batches in enumerate(shards):
+                if acc.last_batch(j) != batches[-1]:
+                    raise ProtocolError(f"drafter.{j}'s sum ends at batch {acc.last_batch(j)}, "
+                                        f"step {s} needs {batches[-1]}")
+                shard_grads.append([g.to(self.device) for g in acc.active(j)])
         lr = self.opt.param_groups[0]["lr"]
-        norm = reduce_and_step(self.params, shard_grads, self.opt, self.sched, sched.per_step,
-                               self.spec.cfg.train.grad_clip)
+        with self.span("optimizer step", b):
+            norm = reduce_and_step(self.params, shard_grads, self.opt, self.sched, sched.per_step,
+                                   self.spec.cfg.train.grad_clip)
         stats, tokens = fold_step(self.spec.batch_stats, shards)
         write_step(self.spec.step_stats, s, stats, lr, norm, tokens)
         states = [self.opt.state[p] for p in self.params]
-        store.publish(s + 1, self.params, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states])
+        with self.span("publish", b):
+            store.publish(s + 1, self.params, [st["exp_avg"] for st in states],
+                          [st["exp_avg_sq"] for st in states])
 
     def after_commit(self, w) -> None:
         sched = self.spec.schedule
@@ -119,6 +124,6 @@ class Optimizer(Actor):
         last = latest_checkpoint(run_dir)
         if last is not None and last.name == f"step-{version:07d}":
             return
-        with self.beating():
+        with self.beating(), self.span("checkpoint", step=version):
             save_checkpoint(run_dir, version, self.model.save_pretrained,
                             trainer_state(cfg, self.spec.schedule, self.spec.weights, version))

@@ -9,6 +9,8 @@ Contract:
   waits for a free feature slot (reserved by the supervisor before dispatch)
   on restart reloads the target; whatever it held is put back to LOADED, its batch slot
             untouched, and recomputed by whichever target is free.
+Under ``runtime.simulate`` the forward is a wait and the features a stamped tensor of
+the slot's width kept in device memory (``simulate``); every copy stays.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..batching import FEATURES, Batch, BatchBuffers, BatchMeta, copy_batch
 from ..config import Config
 from ..models.target import load_target
 from ..runtime.actor import Actor
+from ..simulate import SimulatedCompute, stamp, wait
 
 
 @dataclass(frozen=True)
@@ -37,16 +40,32 @@ class Target(Actor):
         self.device = torch.device(self.spec.devices[self.ctx.index])
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = load_target(self.spec.cfg, self.device)
+        self.sim = SimulatedCompute.from_config(self.spec.cfg)
+        if self.sim is None:
+            self.model = load_target(self.spec.cfg, self.device)
+        else:
+            like = self.out_ring.slot(0)[FEATURES]
+            self.fake = torch.zeros(like.shape, dtype=like.dtype, device=self.device)
         self.in_ring.pin()
         self.out_ring.pin()
 
     def work(self, w) -> None:
-        meta = BatchMeta(*self.ledger.meta(w.batch_id))
+        b = w.batch_id
+        meta = BatchMeta(*self.ledger.meta(b))
         src, dst = self.in_ring.slot(w.in_slot), self.out_ring.slot(w.out_slot)
         copy_batch(src, dst, meta)
-        batch = Batch.from_buffers(BatchBuffers.from_tensors(src), meta)
-        features = self.model.features(batch.to(self.device, non_blocking=True))
-        dst[FEATURES][:meta.n_tokens].copy_(features)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)   # the slot must be complete before the commit
+        batch = Batch.from_buffers(BatchBuffers.from_tensors(src), meta).to(self.device, non_blocking=True)
+        with self.span("target forward", b, tokens=meta.n_tokens):
+            features = self._forward(batch, meta.n_tokens, b)
+        out = dst[FEATURES][:meta.n_tokens]
+        with self.span("feature copy", b, bytes=out.numel() * out.element_size()):
+            out.copy_(features)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)   # the slot must be complete before the commit
+
+    def _forward(self, batch: Batch, n_tokens: int, b: int) -> torch.Tensor:
+        if self.sim is None:
+            return self.model.features(batch)
+        wait(self.sim.target_s(n_tokens))
+        stamp(self.fake, n_tokens, b)
+        return self.fake[:n_tokens]

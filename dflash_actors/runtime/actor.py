@@ -43,6 +43,7 @@ import torch
 from .channels import Ring
 from .ledger import Ledger
 from .messages import ActorError, Done, Ready, Stop, Work
+from .trace import Tracer, Window, part_path
 
 
 class Shutdown(Exception):
@@ -133,6 +134,8 @@ class ActorContext:
     in_ring: Optional[Ring] = None
     out_ring: Optional[Ring] = None
     spec: Any = None                   # the stage's spec
+    trace_dir: Optional[str] = None    # the run dir when tracing, else None
+    trace_window: Optional[Window] = None
 
 
 class Actor:
@@ -144,6 +147,13 @@ class Actor:
         self.ledger = ctx.ledger
         self.in_ring = ctx.in_ring
         self.out_ring = ctx.out_ring
+        path = part_path(ctx.trace_dir, ctx.actor_id) if ctx.trace_dir else None
+        self.tracer = Tracer(path, ctx.number + 1, ctx.trace_window)
+
+    def span(self, name: str, batch: int = -1, **args):
+        """``with self.span("forward", w.batch_id):`` marks a phase of the work in the
+        trace (a no-op when tracing is off)."""
+        return self.tracer.span(name, batch, **args)
 
     def attach(self) -> None:
         """Load what the actor needs (models, files); shared buffers are already mapped."""
@@ -245,10 +255,15 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
         if not isinstance(msg, Work):
             raise TypeError(f"unexpected message {msg!r}")
         hb.set(n, phase=Phase.WORKING, batch=msg.batch_id)
+        b, tracer = msg.batch_id, actor.tracer
+        t0 = time.monotonic()
         actor.work(msg)
-        ctx.ledger.commit(msg.batch_id, ctx.to_state)
-        conn.send(Done(ctx.actor_id, msg.batch_id))
+        ctx.ledger.commit(b, ctx.to_state)
+        # The span ends before Done goes out: whatever Done lets start begins after it.
+        tracer.record("work", t0, time.monotonic(), b)
+        conn.send(Done(ctx.actor_id, b))
         actor.after_commit(msg)
+        tracer.flush()
         done += 1
         hb.set(n, phase=Phase.IDLE, batch=-1, done=done)
 

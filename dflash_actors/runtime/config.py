@@ -75,6 +75,10 @@ class RuntimeConfig:
     """How long actors get to finish on shutdown before SIGTERM, then SIGKILL."""
     start_timeout_s: float = checked(300.0, above(0))
     """Spawn to Ready (imports, model loading) before an actor counts as hung."""
+    trace: bool = False
+    """Write ``<run_dir>/trace.json``: every actor's spans, for Perfetto (``trace``)."""
+    trace_batches: int = checked(100, at_least(1))
+    """The trace keeps the spans of the first and the last this many batches."""
 
 
 # ---------------------------------------------------------------------------

@@ -17,6 +17,9 @@ Rules, chosen so that restarts never change what a consumer sees:
   * a stage with a ``barrier`` sends batch b only once every batch below
     ``barrier(b)`` has reached the final state (the training job's drafters wait
     this way for the weights of their step, which the last stage publishes);
+  * a stage with a ``gather`` sends batch b only once every batch of ``gather(b)``
+    (a range of ids) has reached the stage: groups move through the stages together,
+    as in a lock-step loop (the training job's ``runtime.schedule: lockstep``);
   * each actor holds at most ``credit`` dispatched batches (prefetch depth);
   * recovery (``on_death``) reads the ledger, not the dead actor's messages: see
     ``ledger`` for settle vs put back.
@@ -55,6 +58,8 @@ class Stage:
     None: any free actor takes the lowest ready batch."""
     barrier: Optional[Callable[[int], int]] = None
     """Batch id -> the id below which every batch must be final before it goes out."""
+    gather: Optional[Callable[[int], range]] = None
+    """Batch id -> its group: no batch of the group goes out before all have arrived."""
     credit: int = 2
     spec: Any = None
     """What every actor of this stage receives as ``self.spec``: a frozen dataclass of
@@ -107,11 +112,15 @@ class Dispatcher:
         self.committed: list[int] = []
         """Batch ids in the order the last stage committed them, in this run."""
         self._final = [False] * self._n
+        self._arrived: list[dict[int, int]] = [{} for _ in stages]
+        """Gathering stages: group start -> how many of its batches have reached the stage."""
         for b in range(self._n):
             i = stage_of_state.get(ledger.state(b))
             if i is not None:
                 self._push(i, b)
             self._final[b] = ledger.state(b) == self.final
+            for k in range(len(stages) if self._final[b] else (i + 1 if i is not None else 0)):
+                self._arrive(k, b)
         self._frontier = 0
         self._advance_frontier()
         # Routed stages: each actor's batch ids in order, and a cursor into them.
@@ -176,7 +185,7 @@ class Dispatcher:
                 for n in actors:
                     seq = self._sequence[n]
                     while (len(self._held[n]) < stage.credit and self._cursor[n] < len(seq)
-                           and seq[self._cursor[n]] in self._ready_set[i] and self._open(stage, seq[self._cursor[n]])):
+                           and seq[self._cursor[n]] in self._ready_set[i] and self._open(i, seq[self._cursor[n]])):
                         w = self._send(i, n, seq[self._cursor[n]])
                         if w is None:
                             break
@@ -190,7 +199,7 @@ class Dispatcher:
                         heapq.heappop(heap)  # already dispatched (lazy deletion)
                         continue
                     free = [n for n in actors if len(self._held[n]) < stage.credit]
-                    if not free or not self._open(stage, heap[0]):
+                    if not free or not self._open(i, heap[0]):
                         break
                     n = min(free, key=lambda m: (len(self._held[m]), m))
                     w = self._send(i, n, heap[0])
@@ -216,8 +225,20 @@ class Dispatcher:
 
     # -- internals ------------------------------------------------------------
 
-    def _open(self, stage: Stage, b: int) -> bool:
-        return stage.barrier is None or stage.barrier(b) <= self._frontier
+    def _open(self, i: int, b: int) -> bool:
+        stage = self.stages[i]
+        if stage.barrier is not None and stage.barrier(b) > self._frontier:
+            return False
+        if stage.gather is not None:
+            group = stage.gather(b)
+            return self._arrived[i].get(group.start, 0) == len(group)
+        return True
+
+    def _arrive(self, i: int, b: int) -> None:
+        """Batch b reached stage i (counted once: a put-back batch does not arrive again)."""
+        if self.stages[i].gather is not None:
+            start = self.stages[i].gather(b).start
+            self._arrived[i][start] = self._arrived[i].get(start, 0) + 1
 
     def _push(self, i: int, b: int) -> None:
         # Routed stages pick by cursor and need only the set; the others pop the heap.
@@ -247,6 +268,7 @@ class Dispatcher:
         self._held[n].remove(b)
         if i + 1 < len(self.stages):
             self._push(i + 1, b)
+            self._arrive(i + 1, b)
         else:
             self.committed.append(b)
             self._final[b] = True

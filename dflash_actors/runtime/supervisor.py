@@ -60,6 +60,7 @@ from .events import EventLog
 from .ledger import Ledger
 from .messages import ActorError, Done, Ready, Stop
 from .policy import Decision, RestartPolicy
+from .trace import SUPERVISOR_TRACK, Tracer, Window, clear, merge, part_path
 
 STATUS_PERIOD_S = 1.0
 TERM_WAIT_S = 2.0       # after SIGTERM, before SIGKILL
@@ -136,12 +137,17 @@ class Supervisor:
         self._mp = tmp.get_context("spawn")
         self._stop_signal: Optional[str] = None
         self._events: Optional[EventLog] = None
+        self._window = Window(first_batch, n_batches, runtime.trace_batches)
+        self.tracer = Tracer(None, SUPERVISOR_TRACK)
 
     # -- public ----------------------------------------------------------------
 
     def run(self) -> JobResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._events = EventLog(self.run_dir / "events.log")
+        if self.cfg.trace:
+            clear(self.run_dir)
+            self.tracer = Tracer(part_path(self.run_dir, "supervisor"), SUPERVISOR_TRACK, self._window)
         restore = self._install_signals()
         result = None
         try:
@@ -164,6 +170,10 @@ class Supervisor:
                 self._log("end", state=result.state.value, reason=result.reason, restarts=result.restarts)
             self._write_status()
             self._events.close()
+            if self.tracer.enabled:
+                self.tracer.close()
+                merge(self.run_dir, {SUPERVISOR_TRACK: "supervisor",
+                                     **{c.number + 1: c.actor_id for c in self.children}})
         return result
 
     def request_stop(self, reason: str) -> None:
@@ -198,8 +208,13 @@ class Supervisor:
                     failure = failure or self._on_exit(c)
             if failure:
                 return self._stopping(failure)
-            for n, w in self.dispatcher.dispatch():
+            t0 = time.monotonic()
+            sent = self.dispatcher.dispatch()
+            for n, w in sent:
                 self._send(self.children[n], w)
+            if sent:
+                self.tracer.record("dispatch", t0, time.monotonic(), sent[0][1].batch_id,
+                                   sent=[f"{w.batch_id}->{self.children[n].actor_id}" for n, w in sent])
 
     def _stopping(self, result: JobResult) -> JobResult:
         self.state = JobState.STOPPING
@@ -216,7 +231,8 @@ class Supervisor:
             conn=child_conn, ledger=self.ledger, heartbeats=self.heartbeats,
             heartbeat_s=self.cfg.heartbeat_s, num_threads=self.num_threads, to_state=s.to_state,
             in_ring=self.rings[s.in_ring] if s.in_ring else None,
-            out_ring=self.rings[s.out_ring] if s.out_ring else None, spec=s.spec)
+            out_ring=self.rings[s.out_ring] if s.out_ring else None, spec=s.spec,
+            trace_dir=str(self.run_dir) if self.cfg.trace else None, trace_window=self._window)
         proc = self._mp.Process(target=actor_main, args=(s.actor, ctx), name=c.actor_id, daemon=True)
         proc.start()
         child_conn.close()
@@ -406,6 +422,8 @@ class Supervisor:
 
     def _log(self, event: str, **fields) -> None:
         self._events.log(event, **fields)
+        if event in ("spawn", "ready", "died", "hang", "give_up", "raise"):
+            self.tracer.instant(f"{event} {fields.get('actor', '')}".strip(), reason=fields.get("reason"))
 
     def status(self) -> dict:
         now = time.monotonic()

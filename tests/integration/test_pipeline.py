@@ -1,12 +1,15 @@
 """The actor pipeline against the single-process reference trainer (the oracle)."""
 
 import json
+from collections import defaultdict
 
 import pytest
 from support.pipeline import assert_same_weights, final_weights, losses, small_config
 
 from dflash_actors.pipeline import Job
 from dflash_actors.reference import train_reference
+from dflash_actors.runtime import trace
+from dflash_actors.schedule import Schedule
 
 REFERENCE = {}
 
@@ -24,10 +27,13 @@ def reference(cache_dir, tmp_path, topology):
     return REFERENCE[m]
 
 
-@pytest.mark.parametrize("topology", ["1-1", "2-2", "1-3"])
-def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology):
-    cfg = small_config(cache_dir, tmp_path / "run", topology)
-    result = Job(cfg, progress=False).run()
+@pytest.mark.parametrize("topology,schedule", [("1-1", "pipelined"), ("2-2", "pipelined"), ("1-3", "pipelined"),
+                                               ("2-2", "lockstep")])
+def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology, schedule):
+    cfg = small_config(cache_dir, tmp_path / "run", topology, f"runtime.schedule={schedule}",
+                       f"runtime.trace={schedule == 'lockstep'}")
+    job = Job(cfg, progress=False)
+    result = job.run()
     assert result.exit_code == 0, result.reason
     ref = reference(cache_dir, tmp_path, topology)
     assert result.summary["step"] == ref.steps == result.summary["total_steps"]
@@ -38,6 +44,26 @@ def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology):
     assert summary["tokens"] == ref.tokens and summary["restarts"] == 0
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["training"]["step"] == ref.steps and status["training"]["loss"] == ref.losses[-1]
+    if schedule == "lockstep":
+        assert_no_overlap(trace.load(tmp_path / "run" / trace.TRACE_FILE), job.schedule)
+
+
+def assert_no_overlap(spans: list[dict], schedule: Schedule) -> None:
+    """Lock-step, read from the trace: within a step, every load ends before the first
+    target forward starts, every target before the first drafter, every drafter before
+    the optimizer's step (its work on the step's last batch; the others are no-ops); and
+    the next step's first load starts after that."""
+    when = defaultdict(list)      # (step, role) -> [(start, end)] of its work spans
+    for s in spans:
+        b, role = s["args"].get("batch"), s["track"].split(".")[0]
+        if s["name"] == "work" and (role != "optimizer" or schedule.is_last_of_step(b)):
+            when[schedule.step_of(b), role].append((s["ts"], s["ts"] + s["dur"]))
+    order = ("loader", "target", "drafter", "optimizer")
+    for step in range(schedule.total_steps):
+        for before, after in zip(order, order[1:]):
+            assert max(e for _, e in when[step, before]) <= min(t for t, _ in when[step, after]), (step, after)
+        if step + 1 < schedule.total_steps:
+            assert max(e for _, e in when[step, "optimizer"]) <= min(t for t, _ in when[step + 1, "loader"])
 
 
 def test_grad_accumulation_matches_reference(cache_dir, tmp_path):

@@ -181,6 +181,44 @@ def test_a_barrier_holds_a_stage_until_earlier_batches_are_final():
     assert [w.batch_id for a, w in d.dispatch() if a == 1] == [4, 5, 6, 7]
 
 
+@pytest.mark.parametrize("kill_every", [0, 4])
+def test_gathered_groups_move_through_the_stages_together(kill_every):
+    """Lock-step: groups of 4 ids; the loader starts a group once the previous one is
+    final, and the targets and drafters each start it only once all 4 have arrived."""
+    group = lambda b: range(b - b % 4, b - b % 4 + 4)
+    stages = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", credit=4,
+                    barrier=lambda b: group(b).start),
+              Stage("target", Actor, State.LOADED, State.FEATURED, count=2, in_ring="batch", out_ring="features",
+                    credit=1, gather=group),
+              Stage("drafter", Actor, State.FEATURED, State.COMMITTED, count=2, in_ring="features",
+                    route=lambda b: b % 2, credit=2, gather=group)]
+    ledger = Ledger.allocate(16)
+    d = Dispatcher(stages, [_ring("batch", 4), _ring("features", 4)], ledger, _members(stages))
+    for a in d.members:
+        d.on_ready(a)
+    rng, inbox, steps = random.Random(kill_every), {a: [] for a in d.members}, 0
+    while not d.finished():
+        for a, w in d.dispatch():
+            i, ids = d.members[a][0], group(w.batch_id)
+            if i == 0:
+                assert all(ledger.state(b) == State.COMMITTED for b in range(ids.start))
+            else:
+                assert all(ledger.state(b) >= stages[i].from_state for b in ids), (i, w.batch_id)
+                assert all(ledger.state(b) <= stages[i].to_state for b in ids)
+            inbox[a].append(w)
+        busy = [a for a in inbox if inbox[a]]
+        assert busy, "deadlock"
+        a = rng.choice(busy)
+        steps += 1
+        if kill_every and steps % kill_every == 0:
+            d.on_death(a)
+            inbox[a] = []
+            d.on_ready(a)
+            continue
+        _complete(d, ledger, stages, a, inbox[a].pop(0).batch_id)
+    assert sorted(d.committed) == list(range(16))
+
+
 def test_done_that_the_ledger_contradicts_is_a_protocol_error():
     d, ledger, stages = _setup(2)
     d.dispatch()

@@ -1,0 +1,105 @@
+"""The human-readable table of a ``make bench`` run (also written as Markdown)."""
+
+from __future__ import annotations
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    cells = [[str(c) for c in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    return [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]]
+
+
+def _pipeline(p: dict) -> list[str]:
+    sim = p["simulated"]
+    out = [f"## Pipeline under simulated compute ({sim['target_us_per_token']:g} us/token target, "
+           f"{sim['drafter_us_per_token']:g} us/token drafter, {sim['feature_width']} fp32 features/token, "
+           f"{sim['tokens_per_batch']:.0f} tokens/batch, grad_accum 1)", ""]
+    out += _table(["topology", "pipelined tok/s", "lockstep tok/s", "bound tok/s", "efficiency", "speedup",
+                   "ideal speedup", "overhead ms/batch", "bottleneck", "stage ms (load/target/draft/opt-step)"],
+                  [[r["topology"], f"{r['pipelined_tokens_per_s']:.0f}", f"{r['lockstep_tokens_per_s']:.0f}",
+                    f"{r['bound_tokens_per_s']:.0f}", r["efficiency"], r["speedup"], r["ideal_speedup"],
+                    r["overhead_ms_per_batch"], r["bottleneck"], "/".join(str(v) for v in r["stage_ms"].values())]
+                   for r in p["pipeline"]])
+    g = p["goals_met"]
+    out += ["", f"Goals: efficiency >= 0.95 at every topology: {'met' if g['efficiency'] else 'MISSED'}; "
+                f"speedup >= 0.95 x ideal: {'met' if g['speedup'] else 'MISSED'}. The bound is the slowest "
+                "stage at the costs measured in the pipelined trace (the drafter stage includes the optimizer "
+                "step it waits for); efficiency = pipelined / bound.", "",
+            "### Busy fraction per stage (pipelined / lock-step), from the traces", ""]
+    stages = list(p["pipeline"][0]["busy"])
+    out += _table(["topology", *stages],
+                  [[r["topology"], *(f"{r['busy'][s]['pipelined']:.2f} / {r['busy'][s]['lockstep']:.2f}"
+                                     for s in stages)] for r in p["pipeline"]])
+    b = p["bytes"]
+    out += ["", f"### Bytes copied per batch in these runs (at the measured {b['copy_gb_per_s']} GB/s memcpy)", ""]
+    out += _table(["buffer", "bytes", "ms"], [[k, f"{v['bytes']:,}", v["ms"]] for k, v in b["per_batch"].items()])
+    return out
+
+
+def _projection(projections: list[dict]) -> list[str]:
+    out = ["", "## Projection at real sizes (paper arithmetic, dflash_actors.costmodel)", ""]
+    rows = []
+    for pr in projections:
+        for link, v in pr["links"].items():
+            rows.append([pr["model"], f"{pr['target_s']} s", f"{pr['drafter_s']} s",
+                         f"{pr['drafter_params'] / 1e9:.2f}B",
+                         " / ".join(f"{x:g}" for x in pr["bytes_per_batch_gb"].values()),
+                         f"{link} ({v['gb_per_s']:g} GB/s)", f"{v['transfer_s']} s", v["overhead_fraction"],
+                         *(f"{t['best']} ({t['tokens_per_s']:.0f} tok/s, {t['bottleneck']}-bound)"
+                           for t in v["topologies"].values())])
+    devices = list(projections[0]["links"].values())[0]["topologies"]
+    out += _table(["target shape", "target/batch", "drafter/batch", "drafter params",
+                   "GB/batch feat/grad/weights", "link", "transfer/batch", "overhead", *(f"best on {d} GPUs"
+                                                                                       for d in devices)], rows)
+    a = projections[0]["assumptions"]
+    w = a["workload"]
+    out += ["", f"Assumptions: {a['tflops']:g} TFLOP/s sustained bf16 per GPU; {w['token_budget']} tokens per "
+                f"batch in {w['sequences_per_batch']} sequences; {w['anchors']} anchors x block {w['block_size']} "
+                f"per sequence; {w['feature_layers']} feature layers (bf16); {w['drafter_layers']}-layer drafter "
+                f"with fp32 gradient sums, loaded and committed per batch; optimizer at "
+                f"{a['hbm_bytes_per_s'] / 1e12:g} TB/s HBM; loader never limits (prefetched); grad_accum "
+                f"{a['grad_accum']}. Forward+backward = 3x forward; FLOPs = 2 per multiply-add."]
+    return out
+
+
+def _others(benches: dict) -> list[str]:
+    rows = []
+    d = benches.get("data", {})
+    if "error" not in d and d:
+        rows.append(["data", f"{d['samples']:,} samples: open {d['open_s']} s (materialize would be "
+                             f"{d['materialize_over_open']:.0f}x), assemble {d['assemble_ms_median']} ms/batch "
+                             f"({d['naive_over_assemble']:.0f}x faster than naive padding), padding efficiency "
+                             f"{d['padding_efficiency']}"])
+    c = benches.get("channels", {})
+    if "error" not in c and c:
+        rows.append(["channels", f"ring {c['ring_gbps']} GB/s vs mp.Queue {c['queue_gbps']} GB/s "
+                                 f"({c['ring_over_queue']}x); message round trip {c['msg_roundtrip_us']} us"])
+    r = benches.get("restart", {})
+    if "error" not in r and r:
+        k = r.get("simulated_target_kill", {})
+        rows.append(["restart", f"kill -9 to Ready: median {r['restart_s_median']} s, max {r['restart_s_max']} s "
+                                f"(startup {r['startup_s_median']} s); a target killed mid-run at 2-2 (simulated): "
+                                f"throughput fell to {k.get('throughput_dip')} of steady, back to >= 90% after "
+                                f"{k.get('recovery_s')} s (replacement ready after {k.get('restart_s')} s)"])
+    lr = benches.get("learning", {})
+    if "error" not in lr and lr:
+        rows.append(["learning", f"simulated tau {lr['simulated_tau_untrained']} -> {lr['simulated_tau_trained']}, "
+                                 f"real tau {lr['real_tau_trained']} (lossless: {lr['lossless']}), "
+                                 f"sim vs real {lr['sim_vs_real']}"])
+    for name, rec in benches.items():
+        if "error" in rec:
+            rows.append([name, f"FAILED: {rec['error'].splitlines()[-1] if rec['error'] else ''}"])
+    return ["", "## Other benches", ""] + _table(["bench", "result"], rows) if rows else []
+
+
+def render(results: dict) -> str:
+    out = [f"# make bench: {results['host']}, {results['at']}, {results['cpus']} CPUs", ""]
+    p = results["benches"].get("pipeline", {})
+    if "pipeline" in p:
+        out += _pipeline(p)
+        out += _projection(p["projection"])
+        out += ["", "## Advice (from the measured 2-2 stage costs; `launch.py --topology auto` uses the same rule)",
+                ""] + [f"- {line}" for line in p["advice"].values()]
+    out += _others(results["benches"])
+    return "\n".join(out)
