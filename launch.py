@@ -21,7 +21,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
     ap.add_argument("--plan-only", action="store_true",
                     help="validate config and data, print the first epoch's plan, and exit")
+    ap.add_argument("--devices", type=int, metavar="K",
+                    help="with --topology auto: devices to split (default: the GPUs here, or 2 without any)")
     return ap.parse_args(argv)
+
+
+def auto_topology(args: argparse.Namespace, overrides: list[str]) -> str:
+    """``--topology auto``: measure the stage costs, pick N-M, say why in one line."""
+    from dflash_actors.advice import choose, device_count
+    from dflash_actors.preflight import preflight
+    args.topology = None
+    cfg = config_from_args(args, *overrides)
+    devices = args.devices if args.devices is not None else device_count()
+    if devices < 2:
+        raise ValueError(f"--devices: a topology needs at least 2 devices (got {devices})")
+    topology, why = choose(cfg, preflight(cfg, progress=False), devices)
+    print(why, file=sys.stderr)
+    return topology
 
 
 def main(argv=None) -> int:
@@ -35,6 +51,10 @@ def main(argv=None) -> int:
         return 2
     run_dir = [f"runtime.run_dir={args.resume or args.run_dir}"] if args.run_dir or args.resume else []
     try:
+        if args.topology == "auto":
+            args.topology = auto_topology(args, run_dir)
+        elif args.devices is not None:
+            raise ValueError("--devices: only with --topology auto")
         cfg = config_from_args(args, *run_dir)
         if args.plan_only:
             from dflash_actors.preflight import preflight

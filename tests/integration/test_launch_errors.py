@@ -1,6 +1,8 @@
 """Bad input: one line on stderr, exit status 2, before any actor starts, and nothing
 written to the run directory."""
 
+import json
+
 import numpy as np
 import pytest
 from support.pipeline import ROOT, SMALL
@@ -54,6 +56,11 @@ CASES = {
     "mask id outside vocab": (["--set", "drafter.mask_token_id=100000"], "mask_token_id"),
     "token out of vocab": (["--set", "data.path={bad}"], "row 2: input_ids value 999"),
     "unknown key": (["--set", "train.learning_rate=1"], "train.learning_rate: unknown key"),
+    "one device for auto": (["--topology", "auto", "--devices", "1"], "--devices: a topology needs at least 2"),
+    "devices without auto": (["--devices", "4"], "--devices: only with --topology auto"),
+    "lockstep without room": (["--topology", "2-2", "--set", "runtime.batch_slots=1", "--set",
+                               "runtime.schedule=lockstep"], "runtime.batch_slots: lockstep holds a whole step"),
+    "unknown simulated shape": (["--set", "runtime.simulate.model=gpt-9"], "runtime.simulate.model: unknown shape"),
 }
 
 
@@ -79,3 +86,18 @@ def test_resume_without_checkpoint(tmp_path, cache_dir, capsys):
     assert launch.main(argv) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
     assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_topology_auto_picks_the_advised_split_and_says_why(tmp_path, cache_dir, capsys):
+    args = ["--topology", "auto", "--devices", "3", "--plan-only", "--run-dir", str(tmp_path / "run")]
+    for o in SMALL + [f"data.cache_dir={cache_dir}"]:
+        args += ["--set", o]
+    assert launch.main(args) == 0
+    out, err = capsys.readouterr()
+    why = [line for line in err.splitlines() if line.startswith("topology auto:")]
+    assert len(why) == 1, err
+    chosen = why[0].split()[2]
+    n, m = map(int, chosen.split("-"))
+    assert n + m == 3 and "bound" in why[0]
+    plan = json.loads(out.splitlines()[-1])
+    assert (len(plan["targets"]), len(plan["drafters"])) == (n, m)
