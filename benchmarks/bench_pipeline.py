@@ -72,6 +72,8 @@ def topology_record(topology: str, tmp: Path, epochs: int) -> tuple[dict, simula
         "stage_ms": {"loader": round(c.loader_s * 1e3, 2), "target": round(c.target_s * 1e3, 2),
                      "drafter": round(c.drafter_s * 1e3, 2), "optimizer_per_step": round(c.optimizer_s * 1e3, 2)},
         "busy": {stage: {"pipelined": p.busy.get(stage), "lockstep": lock.busy.get(stage)} for stage in p.busy},
+        "gap_ms": p.gaps_ms,
+        "chain_ms": p.chain_ms,
     }
     return rec, p
 

@@ -31,6 +31,12 @@ def _pipeline(p: dict) -> list[str]:
     out += _table(["topology", *stages],
                   [[r["topology"], *(f"{r['busy'][s]['pipelined']:.2f} / {r['busy'][s]['lockstep']:.2f}"
                                      for s in stages)] for r in p["pipeline"]])
+    out += ["", "### Bubbles in the pipelined runs: median idle gap (ms) between two work items of one actor, "
+                "and the step's chain (ms): last gradient -> optimizer starts / optimizer commits -> next "
+                "drafter batch starts", ""]
+    out += _table(["topology", *stages, "drafter -> optimizer", "optimizer -> drafter"],
+                  [[r["topology"], *(r["gap_ms"].get(s) for s in stages), r["chain_ms"]["drafter_to_optimizer"],
+                    r["chain_ms"]["optimizer_to_drafter"]] for r in p["pipeline"]])
     b = p["bytes"]
     out += ["", f"### Bytes copied per batch in these runs (at the measured {b['copy_gb_per_s']} GB/s memcpy)", ""]
     out += _table(["buffer", "bytes", "ms"], [[k, f"{v['bytes']:,}", v["ms"]] for k, v in b["per_batch"].items()])

@@ -42,6 +42,8 @@ class Measured:
     batches_per_s: float
     costs: costmodel.StageCosts  # mean span durations: what each stage costs when it works
     busy: dict[str, float]       # stage -> fraction of the steady window its actors spent in work
+    gaps_ms: dict[str, float]    # stage -> median idle time between two work spans of one actor
+    chain_ms: dict[str, float]   # the step's critical chain: last gradient -> step -> next drafter batch
     wall_s: float
     spans: list[dict]
     param_bytes: int             # the drafter's fp32 parameters (= one gradient sum)
@@ -81,7 +83,40 @@ def measure(spans: list[dict], batch_tokens: list[float], schedule, wall_s: floa
     costs = costmodel.StageCosts(mean("loader"), mean("target"), mean("drafter"), opt_s,
                                  sum(batch_tokens) / len(batch_tokens))
     n_batches = schedule.first_of_step(steps) - schedule.first_of_step(1)
-    return Measured(steady_tokens / window_s, n_batches / window_s, costs, busy, wall_s, spans, 0, 0.0)
+    return Measured(steady_tokens / window_s, n_batches / window_s, costs, busy, _gaps(work, t0, t1),
+                    _chain(work, schedule, steps), wall_s, spans, 0, 0.0)
+
+
+def _gaps(work: list[dict], t0: float, t1: float) -> dict[str, float]:
+    by_track: dict[str, list[dict]] = {}
+    for s in work:
+        if t0 <= s["ts"] <= t1:
+            by_track.setdefault(s["track"], []).append(s)
+    gaps: dict[str, list[float]] = {}
+    for track, ss in by_track.items():
+        ss.sort(key=lambda s: s["ts"])
+        gaps.setdefault(_role(track), []).extend((b["ts"] - a["ts"] - a["dur"]) / 1e3 for a, b in zip(ss, ss[1:]))
+    return {r: round(statistics.median(g), 2) for r, g in gaps.items() if g}
+
+
+def _chain(work: list[dict], schedule, steps: int) -> dict[str, float]:
+    """Medians over steps: from the step's last drafter batch ending to the optimizer
+    starting the step (one supervisor hop), and from the optimizer's commit to the first
+    drafter batch of the next step starting (one hop, plus any wait for features)."""
+    drafter = {s["args"]["batch"]: s for s in work if _role(s["track"]) == "drafter"}
+    optimizer = {s["args"]["batch"]: s for s in work if _role(s["track"]) == "optimizer"}
+    to_opt, to_next = [], []
+    for step in range(1, steps - 1):
+        ids = range(schedule.first_of_step(step), schedule.first_of_step(step + 1))
+        if not all(b in drafter for b in ids) or ids[-1] not in optimizer:
+            continue
+        opt = optimizer[ids[-1]]
+        to_opt.append(opt["ts"] - max(drafter[b]["ts"] + drafter[b]["dur"] for b in ids))
+        nxt = [drafter[b]["ts"] for b in range(ids[-1] + 1, ids[-1] + 1 + len(ids)) if b in drafter]
+        if nxt:
+            to_next.append(min(nxt) - opt["ts"] - opt["dur"])
+    med = lambda xs: round(statistics.median(xs) / 1e3, 2) if xs else None
+    return {"drafter_to_optimizer": med(to_opt), "optimizer_to_drafter": med(to_next)}
 
 
 def _overlap(span: dict, t0: float, t1: float) -> float:

@@ -29,44 +29,47 @@ from .simulate import SimulatedCompute
 PROBE_BATCHES = 3
 
 
-def _timed(fn, device: torch.device) -> float:
-    t = time.perf_counter()
-    fn()
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - t
+
+
+def _probe_batch(cfg: Config, pre: Preflight, k: int, buf: BatchBuffers, models, device) -> tuple[float, ...]:
+    """(loader, target, drafter, optimizer seconds, tokens) of the plan's batch k."""
+    target, drafter, opt = models
+    t0 = time.perf_counter()
+    meta = assemble(pre.dataset, pre.plan0.batch(k), buf)
+    t1 = time.perf_counter()
+    batch = Batch.from_buffers(buf, meta).to(device)
+    features = target.features(batch)
+    _sync(device)
+    t2 = time.perf_counter()
+    loss, _ = batch_loss(drafter, target, features, batch, num_anchors=cfg.train.num_anchors,
+                         gamma=decay_gamma(cfg), seed=cfg.train.seed, epoch=0, batch_id=k)
+    loss.backward()
+    _sync(device)
+    t3 = time.perf_counter()
+    opt.step()
+    _sync(device)
+    return t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, meta.n_tokens
 
 
 def probe_costs(cfg: Config, pre: Preflight) -> costmodel.StageCosts:
     """Mean cost per batch of each stage (per step for the optimizer), measured here."""
     torch.set_num_threads(cfg.train.num_threads)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    ids = [pre.plan0.batch(i) for i in range(min(len(pre.plan0), PROBE_BATCHES + 1))]
     buf = BatchBuffers.allocate(cfg.batching.token_budget, cfg.batching.max_samples)
-    sim = SimulatedCompute.from_config(cfg)
     target = load_target(cfg, device)
     drafter = build_drafter(cfg, target).to(device)
-    opt = build_optimizer(list(drafter.parameters()), cfg.train)
-    costs = {"loader": [], "target": [], "drafter": [], "optimizer": [], "tokens": []}
-    for k, sample_ids in enumerate(ids):
-        costs["loader"].append(_timed(lambda: assemble(pre.dataset, sample_ids, buf), device))
-        meta = assemble(pre.dataset, sample_ids, buf)
-        batch = Batch.from_buffers(buf, meta).to(device)
-        t0 = time.perf_counter()
-        features = target.features(batch)
-        costs["target"].append(time.perf_counter() - t0 if sim is None else sim.target_s(meta.n_tokens))
-
-        def train():
-            loss, _ = batch_loss(drafter, target, features, batch, num_anchors=cfg.train.num_anchors,
-                                 gamma=decay_gamma(cfg), seed=cfg.train.seed, epoch=0, batch_id=k)
-            loss.backward()
-        d = _timed(train, device)
-        costs["drafter"].append(d if sim is None else sim.drafter_s(meta.n_tokens))
-        costs["optimizer"].append(_timed(opt.step, device))
-        costs["tokens"].append(meta.n_tokens)
-    mean = lambda xs: sum(xs[1:]) / len(xs[1:]) if len(xs) > 1 else xs[0]    # the first is the warm-up
-    return costmodel.StageCosts(mean(costs["loader"]), mean(costs["target"]), mean(costs["drafter"]),
-                                mean(costs["optimizer"]), mean(costs["tokens"]))
+    models = (target, drafter, build_optimizer(list(drafter.parameters()), cfg.train))
+    n = min(len(pre.plan0), PROBE_BATCHES + 1)
+    rows = [_probe_batch(cfg, pre, k, buf, models, device) for k in range(n)]
+    rows = rows[1:] or rows             # the first batch warms up
+    loader, tgt, dft, opt, tokens = (sum(col) / len(rows) for col in zip(*rows))
+    sim = SimulatedCompute.from_config(cfg)
+    if sim is not None:
+        tgt, dft = sim.target_s(tokens), sim.drafter_s(tokens)
+    return costmodel.StageCosts(loader, tgt, dft, opt, tokens)
 
 
 def device_count() -> int:

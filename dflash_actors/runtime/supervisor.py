@@ -197,6 +197,7 @@ class Supervisor:
             failure = None
             timeout = max(0.0, min(next_status, self._next_hang_deadline()) - time.monotonic())
             ready = wait(self._waitables(), timeout)
+            t_woke = time.monotonic()
             if self._wake_r in ready:
                 self._drain_wakeup()
             # Messages first: a Done or ActorError sent just before death must count.
@@ -213,6 +214,7 @@ class Supervisor:
             for n, w in sent:
                 self._send(self.children[n], w)
             if sent:
+                self.tracer.record("read messages", t_woke, t0, sent[0][1].batch_id)
                 self.tracer.record("dispatch", t0, time.monotonic(), sent[0][1].batch_id,
                                    sent=[f"{w.batch_id}->{self.children[n].actor_id}" for n, w in sent])
 
