@@ -24,6 +24,8 @@ _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 # Keys that may change between a run and its resume without changing the math.
 RESUME_FREE = ("runtime.", "topology.num_targets", "topology.target_devices",
                "topology.drafter_devices", "train.checkpoint_every", "data.cache_dir")
+NOT_FREE = ("runtime.simulate.",)
+"""Exceptions to RESUME_FREE: simulated gradients are not the real ones."""
 
 
 class ResumeError(ValueError):
@@ -128,7 +130,7 @@ def math_changes(saved: dict, current: dict) -> list[str]:
     """Config keys whose change would make a resumed run differ from an uninterrupted one."""
     a, b = _flatten(saved), _flatten(current)
     keys = sorted(set(a) | set(b))
-    return [k for k in keys if a.get(k) != b.get(k) and not k.startswith(RESUME_FREE)]
+    return [k for k in keys if a.get(k) != b.get(k) and (not k.startswith(RESUME_FREE) or k.startswith(NOT_FREE))]
 
 
 def check_resumable(saved_config: dict, current_config: dict) -> None:

@@ -21,7 +21,6 @@ import torch
 
 from ..batching import FEATURES, Batch, BatchBuffers, BatchMeta, copy_batch
 from ..config import Config
-from ..models.target import load_target
 from ..runtime.actor import Actor
 from ..simulate import SimulatedCompute, stamp, wait
 
@@ -42,6 +41,9 @@ class Target(Actor):
             torch.cuda.set_device(self.device)
         self.sim = SimulatedCompute.from_config(self.spec.cfg)
         if self.sim is None:
+            # Imported here: transformers costs seconds of every start, which a
+            # simulated target (and its restarts) need not pay.
+            from ..models.target import load_target
             self.model = load_target(self.spec.cfg, self.device)
         else:
             like = self.out_ring.slot(0)[FEATURES]

@@ -14,11 +14,6 @@ from dflash_actors.schedule import Schedule
 REFERENCE = {}
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("pipeline-cache")
-
-
 def reference(cache_dir, tmp_path, topology):
     """Reference results depend on M only (targets do not change the math)."""
     m = topology.split("-")[1]

@@ -1,7 +1,6 @@
 """Simulated compute: the models are waits, every byte and message is real, and the
 trace shows every actor."""
 
-import pytest
 import torch
 from support.pipeline import small_config
 
@@ -10,11 +9,6 @@ from dflash_actors.runtime import trace
 from dflash_actors.simulate import stamp, stamp_problem
 
 WIDTH = 96
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("simulate-cache")
 
 
 def test_simulated_run_moves_real_bytes_and_traces_every_actor(cache_dir, tmp_path):

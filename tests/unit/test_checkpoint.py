@@ -67,4 +67,8 @@ def test_math_changes_are_named():
     assert math_changes(a, b) == ["topology.num_drafters", "train.lr"]
     with pytest.raises(ResumeError, match=r"train\.lr: 0\.0006 -> 0\.01"):
         check_resumable(a, b)
-    check_resumable(a, load_config(None, ["runtime.run_dir=elsewhere", "train.checkpoint_every=3"]).to_dict())
+    check_resumable(a, load_config(None, ["runtime.run_dir=elsewhere", "train.checkpoint_every=3",
+                                          "runtime.schedule=lockstep", "runtime.trace=true"]).to_dict())
+    # Simulated compute fakes the gradients: a real run cannot continue as a simulated one.
+    sim = load_config(None, ["runtime.simulate.enabled=true"]).to_dict()
+    assert math_changes(a, sim) == ["runtime.simulate.enabled"]
