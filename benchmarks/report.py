@@ -105,7 +105,8 @@ def render(results: dict) -> str:
     if "pipeline" in p:
         out += _pipeline(p)
         out += _projection(p["projection"])
-        out += ["", "## Advice (from the measured 2-2 stage costs; `launch.py --topology auto` uses the same rule)",
+        out += ["", f"## Advice (the measured 2-2 stage costs plus {p['control_ms_per_step']} ms/step of measured "
+                    "control latency; `launch.py --topology auto` applies the same rule to costs it probes)",
                 ""] + [f"- {line}" for line in p["advice"].values()]
     out += _others(results["benches"])
     return "\n".join(out)

@@ -62,6 +62,10 @@ class StageCosts:
     drafter_s: float     # per batch, one drafter actor
     optimizer_s: float   # per optimizer step
     tokens_per_batch: float
+    control_s: float = 0.0
+    """Per step, the control plane's latency on the drafter chain (the last gradient's
+    Done reaching the optimizer, the optimizer's commit reaching the drafters): zero for
+    the compute bound, measured for advice."""
 
 
 def _check_split(n: int, m: int, grad_accum: int) -> None:
@@ -82,7 +86,7 @@ def _stage_rates(c: StageCosts, n: int, m: int, grad_accum: int) -> dict[str, fl
         "loader": _rate(1.0, c.loader_s),
         "target": _rate(n, c.target_s),
         # one drafter's chain per step: g batches, then wait for the optimizer (synchronous training)
-        "drafter": _rate(per_step, grad_accum * c.drafter_s + c.optimizer_s),
+        "drafter": _rate(per_step, grad_accum * c.drafter_s + c.optimizer_s + c.control_s),
     }
 
 
@@ -140,7 +144,8 @@ def explain(c: StageCosts, devices: int, grad_accum: int) -> str:
         else "no other split"
     return (f"topology auto: {n}-{m} for {devices} devices "
             f"(target {c.target_s * 1e3:.1f} ms/batch, drafter {c.drafter_s * 1e3:.1f} ms/batch "
-            f"+ optimizer {c.optimizer_s * 1e3:.1f} ms/step, grad_accum {grad_accum}: "
+            f"+ optimizer {c.optimizer_s * 1e3:.1f} ms/step"
+            f"{f' + control {c.control_s * 1e3:.1f} ms/step' if c.control_s else ''}, grad_accum {grad_accum}: "
             f"bound {tok:.0f} tokens/s, {bottleneck(c, n, m, grad_accum)}-bound; {runner_up})")
 
 

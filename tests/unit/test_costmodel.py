@@ -171,3 +171,13 @@ def test_project_pcie_overhead_by_hand():
     assert p["bytes_per_batch_gb"] == {"features": 2.684, "gradients": 8.389, "weights": 4.194}
     # optimizer default: 1,048,576,000 * 16 / 4.8e12 = 3.495 ms
     assert p["optimizer_s"] == 0.003495
+
+
+def test_control_latency_lengthens_the_drafter_chain_and_can_change_the_advice():
+    # 3-1, g=1: drafter chain 10 + 2 ms -> 83.3 batches/s beats 2-2's target 66.7; with 5 ms of
+    # control per step the chain is 17 ms -> 58.8 batches/s, and 2-2 (target-bound, 66.7) wins.
+    slow = StageCosts(0.001, 0.030, 0.010, 0.002, 2000, control_s=0.005)
+    assert bound_batches_per_s(slow, 3, 1, 1) == pytest.approx(1 / 0.017)
+    assert advise(C, 4, 1)[0][:2] == (3, 1)
+    assert advise(slow, 4, 1)[0][:2] == (2, 2)
+    assert "control 5.0 ms/step" in explain(slow, 4, 1)
