@@ -25,8 +25,6 @@ from typing import Optional
 
 import torch
 
-from .models.loss import BlockStats
-
 STAMP_MOD = 251
 """Stamps are ``b % 251``: exact in bf16 (integers up to 256 are)."""
 
@@ -73,8 +71,11 @@ def stamp_problem(features: torch.Tensor, n_tokens: int, b: int) -> Optional[str
     return None
 
 
-def no_stats(block_size: int) -> BlockStats:
-    """A simulated batch measures nothing: zero blocks, zero loss weight."""
+def no_stats(block_size: int):
+    """A simulated batch measures nothing: zero blocks, zero loss weight (a
+    ``BlockStats``; imported here because the loss module brings in transformers,
+    which a simulated target must not pay for)."""
+    from .models.loss import BlockStats
     zeros = torch.zeros(block_size, dtype=torch.int64)
     return BlockStats(0, 0, zeros, zeros.clone(), 0.0, 0.0)
 

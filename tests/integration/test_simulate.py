@@ -1,6 +1,9 @@
 """Simulated compute: the models are waits, every byte and message is real, and the
 trace shows every actor."""
 
+import subprocess
+import sys
+
 import torch
 from support.pipeline import small_config
 
@@ -41,3 +44,11 @@ def test_a_stamp_from_another_batch_is_caught():
     assert "expected 4" in stamp_problem(f, 7, 4)
     stamp(f, 7, 3 + 251)          # same stamp modulo 251: indistinguishable, by design
     assert stamp_problem(f, 7, 3) is None
+
+
+def test_a_simulated_target_starts_without_transformers():
+    """Importing transformers costs seconds of every (re)start; a simulated target
+    has no model, so its module must not pull it in."""
+    code = "import sys, dflash_actors.actors.target; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
