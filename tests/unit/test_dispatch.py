@@ -51,13 +51,16 @@ def _complete(d, ledger, stages, a, b):
     d.on_done(a, b)
 
 
-def _drive(d, ledger, stages, rng, kill_every=0):
-    """Random completion order; optionally a death (without commit) every few steps."""
+def _drive(d, ledger, stages, rng, kill_every=0, check=None):
+    """Random completion order; optionally a death (without commit) every few steps,
+    and ``check(actor, work)`` on every dispatch."""
     inbox = {a: [] for a in d.members}
     steps = 0
     while not d.finished():
         for a, w in d.dispatch():
             assert w.out_slot == ledger.get(w.batch_id, Col.NEXT_SLOT)
+            if check is not None:
+                check(a, w)
             inbox[a].append(w)
         busy = [a for a in inbox if inbox[a]]
         assert busy, "deadlock: nothing in flight and not finished"
@@ -196,26 +199,16 @@ def test_gathered_groups_move_through_the_stages_together(kill_every):
     d = Dispatcher(stages, [_ring("batch", 4), _ring("features", 4)], ledger, _members(stages))
     for a in d.members:
         d.on_ready(a)
-    rng, inbox, steps = random.Random(kill_every), {a: [] for a in d.members}, 0
-    while not d.finished():
-        for a, w in d.dispatch():
-            i, ids = d.members[a][0], group(w.batch_id)
-            if i == 0:
-                assert all(ledger.state(b) == State.COMMITTED for b in range(ids.start))
-            else:
-                assert all(ledger.state(b) >= stages[i].from_state for b in ids), (i, w.batch_id)
-                assert all(ledger.state(b) <= stages[i].to_state for b in ids)
-            inbox[a].append(w)
-        busy = [a for a in inbox if inbox[a]]
-        assert busy, "deadlock"
-        a = rng.choice(busy)
-        steps += 1
-        if kill_every and steps % kill_every == 0:
-            d.on_death(a)
-            inbox[a] = []
-            d.on_ready(a)
-            continue
-        _complete(d, ledger, stages, a, inbox[a].pop(0).batch_id)
+
+    def check(a, w):
+        i, ids = d.members[a][0], group(w.batch_id)
+        if i == 0:
+            assert all(ledger.state(b) == State.COMMITTED for b in range(ids.start))
+        else:
+            assert all(ledger.state(b) >= stages[i].from_state for b in ids), (i, w.batch_id)
+            assert all(ledger.state(b) <= stages[i].to_state for b in ids)
+
+    _drive(d, ledger, stages, random.Random(kill_every), kill_every, check)
     assert sorted(d.committed) == list(range(16))
 
 
