@@ -21,7 +21,9 @@ exits (sentinel), and as hung, then killed, when its heartbeat is older than
 The loop blocks in ``multiprocessing.connection.wait`` on process sentinels, actor pipes
 and a signal wakeup socket, with a timeout equal to the next deadline (status write or
 hang check). Every decision goes to ``<run_dir>/events.log`` (``events.EventLog``);
-``<run_dir>/status.json`` is rewritten atomically about once a second. The supervisor
+``<run_dir>/status.json`` is rewritten atomically about once a second. With
+``runtime.trace`` the supervisor traces its own message handling and dispatch, and
+merges every actor's spans into ``<run_dir>/trace.json`` when the run ends (``trace``). The supervisor
 must run in the main thread: signal handlers live there, and the children's
 parent-death signal fires when the spawning thread exits.
 
@@ -213,7 +215,7 @@ class Supervisor:
             sent = self.dispatcher.dispatch()
             for n, w in sent:
                 self._send(self.children[n], w)
-            if sent:
+            if sent and self.tracer.enabled:
                 self.tracer.record("read messages", t_woke, t0, sent[0][1].batch_id)
                 self.tracer.record("dispatch", t0, time.monotonic(), sent[0][1].batch_id,
                                    sent=[f"{w.batch_id}->{self.children[n].actor_id}" for n, w in sent])
