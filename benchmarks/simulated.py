@@ -57,16 +57,16 @@ def run(cfg) -> Measured:
         raise RuntimeError(f"simulated run failed: {result.reason}")
     tokens = job.shared.batch_stats[:, 4].tolist()
     path = Path(cfg.runtime.run_dir) / trace.TRACE_FILE
-    m = measure(trace.load(path), tokens, job.schedule, result.summary["wall_s"])
-    m.param_bytes, m.origin_s = job.layout.numel * 4, trace.origin(path)
-    return m
+    return measure(trace.load(path), tokens, job.schedule, result.summary["wall_s"], job.layout.numel * 4,
+                   trace.origin(path))
 
 
 def _role(track: str) -> str:
     return track.split(".")[0]
 
 
-def measure(spans: list[dict], batch_tokens: list[float], schedule, wall_s: float) -> Measured:
+def measure(spans: list[dict], batch_tokens: list[float], schedule, wall_s: float, param_bytes: int,
+            origin_s: float) -> Measured:
     publish = sorted(s["ts"] + s["dur"] for s in spans if s["name"] == "publish")
     t0, t1 = publish[0], publish[-1]
     steps = len(publish)
@@ -84,7 +84,7 @@ def measure(spans: list[dict], batch_tokens: list[float], schedule, wall_s: floa
                                  sum(batch_tokens) / len(batch_tokens))
     n_batches = schedule.first_of_step(steps) - schedule.first_of_step(1)
     return Measured(steady_tokens / window_s, n_batches / window_s, costs, busy, _gaps(work, t0, t1),
-                    _chain(work, schedule, steps), wall_s, spans, 0, 0.0)
+                    _chain(work, schedule, steps), wall_s, spans, param_bytes, origin_s)
 
 
 def _gaps(work: list[dict], t0: float, t1: float) -> dict[str, float]:
