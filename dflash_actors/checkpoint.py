@@ -23,7 +23,8 @@ _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 # Keys that may change between a run and its resume without changing the math.
 RESUME_FREE = ("runtime.", "topology.num_targets", "topology.target_devices",
-               "topology.drafter_devices", "train.checkpoint_every", "data.cache_dir")
+               "topology.drafter_devices", "train.checkpoint_every", "data.cache_dir", "target.self_check",
+               "eval.")
 NOT_FREE = ("runtime.simulate.",)
 """Exceptions to RESUME_FREE: simulated gradients are not the real ones."""
 

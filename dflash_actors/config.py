@@ -118,6 +118,10 @@ class TargetConfig:
     gguf_file: Optional[str] = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: bfloat16 on CUDA, float32 on CPU."""
+    self_check: bool = True
+    """Each target actor checks at start that its packed-batch features equal the
+    model's plain forward (``output_hidden_states``) at the configured layers, and
+    stops the job before training if they differ."""
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
 

@@ -220,7 +220,8 @@ def conditional_acceptance(accepted: list[int], slots: int) -> list[float | None
 
 
 def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
-             stop_ids: tuple[int, ...] = (), propose_for=None, check_lossless: str = "full") -> dict:
+             stop_ids: tuple[int, ...] = (), propose_for=None, check_lossless: str = "full",
+             texts: list | None = None) -> dict:
     """Real speculative decoding over ``prompts``.
 
     ``tau`` is z-lab's figure: per prompt the mean tokens per verify step (the last step
@@ -234,7 +235,7 @@ def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
     clipped_tokens = clipped_steps = 0
     lossless, calls, greedy_calls, generated = 0, 0, 0, 0
     t_spec = t_greedy = 0.0
-    B = drafter.block_size if drafter is not None else None
+    B = drafter.block_size
     for p in prompts:
         propose = propose_for(p) if propose_for is not None else drafter_proposer(drafter, target)
         t = time.perf_counter()
@@ -259,9 +260,11 @@ def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
         else:
             want = g.ids
         lossless += bool(torch.equal(g.ids, want))
+        if texts is not None:
+            texts.append(want)
     return {"tau": float(np.mean(per_prompt)), "tau_pooled": float(np.mean(pooled)),
             "tau_clipped": clipped_tokens / max(1, clipped_steps),
-            "per_position": conditional_acceptance(accepted, (B or 16) - 1),
+            "per_position": conditional_acceptance(accepted, B - 1),
             "verify_steps": len(pooled), "prompts": len(prompts),
             "lossless": lossless == len(prompts), "lossless_prompts": lossless,
             "generated_tokens": generated, "tokens_per_target_call": generated / max(calls, 1),
@@ -361,3 +364,297 @@ def evaluate_drafter(cfg, state_dict=None, max_new_tokens: int = 64) -> dict:
             "walk_tau_target_text": walk_tau(drafter, target, regen),
             "simulated_heldout_data": simulated_tau(drafter, target, heldout, cfg),
             "target_text_entropy_bits": completion_entropy(regen)}
+
+
+# ---------------------------------------------------------------------------
+# train/serve parity on real prompts: simulated and real tau on the same text
+
+
+@torch.no_grad()
+def drafter_correct(drafter, target, ids: torch.Tensor, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(correct, valid)`` ``[A, B-1]`` over the completion of ``ids``: per anchor (every
+    completion position with a next token), whether each draft slot equals the text.
+    This is the training objective's view: the features of the whole text, each block
+    seeing only the positions before its anchor."""
+    mask = np.zeros(len(ids), np.int8)
+    mask[prompt_len:] = 1
+    ids_t = ids.to(target.device)
+    L = len(ids)
+    batch = Batch(ids_t, torch.arange(L, device=target.device), torch.from_numpy(mask).to(target.device),
+                  torch.tensor([0, L], dtype=torch.int32), L)
+    anchors = torch.from_numpy(anchor_candidates(mask)).to(target.device)
+    hidden = block_hidden(drafter, target.embed_tokens, drafter.context(target.features(batch)), ids_t, anchors)
+    labels, valid = block_labels(ids_t, batch.loss_mask, anchors, drafter.block_size)
+    correct = (target.lm_head(hidden.to(target.dtype)).argmax(-1) == labels) & valid
+    return correct[:, 1:].cpu().numpy(), valid[:, 1:].cpu().numpy()
+
+
+def proposer_correct(propose, ids: torch.Tensor, prompt_len: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``drafter_correct`` for a proposer that needs no target features (baselines)."""
+    rows, valid = [], []
+    for a in range(prompt_len, len(ids) - 1):
+        draft = propose(ids[:a + 1], None)[:block_size - 1]
+        want = ids[a + 1:a + block_size]
+        ok = np.zeros(block_size - 1, bool)
+        ok[:len(want)] = (draft[:len(want)] == want).cpu().numpy()
+        v = np.zeros(block_size - 1, bool)
+        v[:len(want)] = True
+        rows.append(ok)
+        valid.append(v)
+    return np.array(rows).reshape(-1, block_size - 1), np.array(valid).reshape(-1, block_size - 1)
+
+
+def text_metrics(correct: np.ndarray, valid: np.ndarray) -> dict:
+    """Simulated tau (1 + leading correct slots, averaged over anchors) and per slot the
+    conditional acceptance P(slot k right | slots < k right), among anchors whose slot k
+    lies inside the text."""
+    lead = np.cumprod(correct, axis=1)
+    reached = np.concatenate([np.ones((len(correct), 1), bool), lead[:, :-1].astype(bool)], axis=1) & valid
+    per_slot = [round(float(lead[reached[:, k], k].mean()), 4) if reached[:, k].any() else None
+                for k in range(correct.shape[1])]
+    return {"tau": float(1 + lead.sum(1).mean()) if len(lead) else 1.0, "per_position": per_slot,
+            "anchors": int(len(correct))}
+
+
+class NgramProposer:
+    """The trivial baseline: continue with the training completions' most frequent next
+    token after the last two tokens (else after the last one, else repeat it)."""
+
+    def __init__(self, dataset, block_size: int):
+        from collections import Counter, defaultdict
+
+        self.block_size = block_size
+        tri, bi = defaultdict(Counter), defaultdict(Counter)
+        for i in range(len(dataset)):
+            ids, mask = dataset.sample(i)
+            first = int(np.argmax(mask)) if mask.any() else len(ids)
+            seq = ids[max(first - 2, 0):].tolist()
+            for a, b, c in zip(seq, seq[1:], seq[2:]):
+                tri[(a, b)][c] += 1
+            for b, c in zip(seq, seq[1:]):
+                bi[b][c] += 1
+        self.tri = {k: v.most_common(1)[0][0] for k, v in tri.items()}
+        self.bi = {k: v.most_common(1)[0][0] for k, v in bi.items()}
+
+    def __call__(self, ids: torch.Tensor, feats=None) -> torch.Tensor:
+        seq = ids[-2:].tolist()
+        for _ in range(self.block_size - 1):
+            nxt = self.tri.get((seq[-2], seq[-1])) if len(seq) >= 2 else None
+            seq.append(nxt if nxt is not None else self.bi.get(seq[-1], seq[-1]))
+        return torch.tensor(seq[-(self.block_size - 1):], device=ids.device)
+
+
+def repeat_proposer(block_size: int):
+    """The other trivial baseline: every draft slot repeats the anchor."""
+    def propose(ids: torch.Tensor, feats=None) -> torch.Tensor:
+        return ids[-1:].repeat(block_size - 1)
+    return propose
+
+
+def parity(name: str, drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
+           stop_ids: tuple[int, ...], propose_for=None, check_lossless: str = "cached") -> dict:
+    """Real tau by speculative decoding from ``prompts`` and simulated tau on the very
+    text it produced (the target's greedy text when lossless), side by side.
+    ``drafter`` drafts unless ``propose_for(prompt)`` gives a baseline's proposer; its
+    block size applies either way."""
+    B = drafter.block_size
+    texts: list[torch.Tensor] = []
+    real = real_tau(drafter, target, prompts, max_new_tokens, stop_ids, propose_for, check_lossless, texts)
+    correct, valid = [], []
+    for p, text in zip(prompts, texts):
+        if propose_for is None:
+            c, v = drafter_correct(drafter, target, text, len(p))
+        else:
+            c, v = proposer_correct(propose_for(p), text, len(p), B)
+        correct.append(c)
+        valid.append(v)
+    sim = text_metrics(np.concatenate(correct), np.concatenate(valid))
+    gap = abs(sim["tau"] - real["tau"]) / real["tau"]
+    return {"name": name, "real": real, "simulated": sim, "sim_vs_real": round(gap, 4),
+            "parity_warning": gap > PARITY_WARN}
+
+
+PARITY_WARN = 0.15
+"""Simulated and real tau further apart than this (relative) are reported as a warning:
+training's acceptance then does not predict serving's."""
+
+
+# ---------------------------------------------------------------------------
+# command line
+
+
+def resolve_drafter_dir(path: str | Path) -> Path:
+    """A drafter directory, a checkpoint (``step-N``) or a run directory (its latest checkpoint)."""
+    from dflash_actors.checkpoint import latest_checkpoint
+    from dflash_actors.models.drafter import WEIGHTS
+
+    p = Path(path)
+    if (p / "config.json").is_file() and (p / WEIGHTS).is_file():
+        return p
+    ckpt = latest_checkpoint(p) if p.is_dir() else None
+    if ckpt is None:
+        raise ValueError(f"CHECKPOINT: {p} is not a drafter directory, a checkpoint or a run directory with one")
+    return ckpt
+
+
+def saved_run_config(drafter_dir: Path) -> dict | None:
+    """The training config stored beside a checkpoint's drafter, if any."""
+    from dflash_actors.checkpoint import STATE_FILE, load_trainer_state
+
+    return load_trainer_state(drafter_dir).get("config") if (drafter_dir / STATE_FILE).is_file() else None
+
+
+def load_parity_target(target_path: str, layer_ids: list[int], cache_dir: str = ".cache"):
+    """``(TargetModel, tokenizer)`` on CPU in float32, exposing ``layer_ids``."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_actors.models.target import TargetModel, resolve_target_dir
+    from dflash_actors.prepare import load_tokenizer
+
+    tdir = resolve_target_dir(target_path, None, cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32, attn_implementation="sdpa")
+    return TargetModel(model, layer_ids), load_tokenizer(tdir)
+
+
+def check_template(tokenizer, opts: dict, dataset_dir: Path | None) -> str:
+    """Refuse prompts templated unlike the training data (``prepare.json``); say what was checked."""
+    from dflash_actors.prepare import PrepareError, TemplateSettings, read_metadata, template_settings
+
+    mine = template_settings(tokenizer, **opts)
+    meta = read_metadata(dataset_dir) if dataset_dir is not None else None
+    if meta is None:
+        return "not checked (the training dataset has no prepare.json)"
+    theirs = TemplateSettings(**meta["template"])
+    bad = mine.describe_mismatch(theirs)
+    if bad:
+        raise PrepareError(f"chat template mismatch with {dataset_dir}: {bad} "
+                           "(pass the dataset's --thinking/--system-prompt, or evaluate with its target)")
+    return f"matches {dataset_dir}"
+
+
+def evaluate_real(drafter_dir: str | Path, prompts_path: str | Path, *, target_path: str | None = None,
+                  dataset_dir: str | Path | None = None, template: dict | None = None, max_new_tokens: int = 64,
+                  limit: int | None = None, baselines: tuple[str, ...] = ("untrained", "ngram", "repeat"),
+                  threads: int | None = None, cache_dir: str = ".cache", log=print) -> dict:
+    """The parity report of a trained drafter and its baselines on held-out chat prompts."""
+    from dflash_actors.models.drafter import DFlashDrafter
+    from dflash_actors.prepare import encode_prompt, read_prompts, stop_ids, template_settings
+
+    if threads:
+        torch.set_num_threads(threads)
+    ddir = resolve_drafter_dir(drafter_dir)
+    run_cfg = saved_run_config(ddir) or {}
+    target_path = target_path or (run_cfg.get("target") or {}).get("path")
+    if target_path is None:
+        raise ValueError("--target: needed (the checkpoint does not name its target)")
+    if dataset_dir is None and (run_cfg.get("data") or {}).get("path"):
+        dataset_dir = run_cfg["data"]["path"]
+    dataset_dir = Path(dataset_dir) if dataset_dir else None
+    drafter = DFlashDrafter.from_pretrained(ddir).eval()
+    target, tokenizer = load_parity_target(target_path, drafter.target_layer_ids, cache_dir)
+    if target.hidden_size != drafter.config.hidden_size:
+        raise ValueError(f"--target: hidden size {target.hidden_size}, the drafter was trained for "
+                         f"{drafter.config.hidden_size}")
+    opts = template or {"enable_thinking": False, "system_prompt": None}
+    checked = check_template(tokenizer, opts, dataset_dir)
+    settings = template_settings(tokenizer, **opts)
+    prompts = [torch.tensor(encode_prompt(tokenizer, m, settings)) for m in read_prompts(prompts_path)[:limit]]
+    stops = tuple(stop_ids(tokenizer, target.model))
+    B = drafter.block_size
+    runs: dict = {"trained": (drafter, None)}
+    if "untrained" in baselines:
+        seed = int((run_cfg.get("train") or {}).get("seed", 0))
+        runs["untrained"] = (DFlashDrafter(drafter.config).init_weights(seed).eval(), None)
+    if "ngram" in baselines and dataset_dir is not None:
+        ngram = NgramProposer(open_dataset(_data_cfg(), progress=False, path=dataset_dir), B)
+        runs["ngram"] = (drafter, lambda p: ngram)
+    if "repeat" in baselines:
+        runs["repeat"] = (drafter, lambda p: repeat_proposer(B))
+    out = {"drafter": str(ddir), "target": str(target_path), "prompts": str(prompts_path),
+           "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "block_size": B,
+           "template_check": checked, "tau_counting": TAU_COUNTING, "results": {}}
+    for name, (d, propose_for) in runs.items():
+        t = time.perf_counter()
+        r = parity(name, d, target, prompts, max_new_tokens, stops, propose_for)
+        r["wall_s"] = round(time.perf_counter() - t, 1)
+        out["results"][name] = r
+        log(f"evaluate: {name}: real tau {r['real']['tau']:.3f}, simulated tau {r['simulated']['tau']:.3f} "
+            f"({r['wall_s']:.0f} s)")
+    return out
+
+
+TAU_COUNTING = ("real tau as z-lab's benchmark counts it: per prompt the mean tokens per verify step "
+                "(accepted drafts + 1, the last step in full), then the mean over prompts; "
+                "tau_pooled pools every step of every prompt")
+
+
+def _data_cfg():
+    from dflash_actors.config import DataConfig
+
+    return DataConfig(max_seq_len=1 << 20)
+
+
+def format_report(report: dict) -> str:
+    """The side-by-side table ``evaluate`` prints."""
+    lines = [f"drafter {report['drafter']} on {report['num_prompts']} prompts, {report['max_new_tokens']} new tokens; "
+             f"chat template {report['template_check']}",
+             f"{'':10} {'real tau':>8} {'pooled':>7} {'sim tau':>8} {'gap':>6} {'tok/call':>8} {'lossless':>9}  "
+             "real per-position acceptance (slot 1..)"]
+    for name, r in report["results"].items():
+        real, sim = r["real"], r["simulated"]
+        pos = " ".join("-" if x is None else f"{x:.2f}" for x in real["per_position"][:8])
+        lines.append(f"{name:10} {real['tau']:8.3f} {real['tau_pooled']:7.3f} {sim['tau']:8.3f} "
+                     f"{r['sim_vs_real']:6.1%} {real['tokens_per_target_call']:8.2f} "
+                     f"{real['lossless_prompts']:>4}/{real['prompts']:<4}  {pos}")
+    lines.append("plain greedy decoding: 1.00 token per target call. " + report["tau_counting"] + ".")
+    for name, r in report["results"].items():
+        if r["parity_warning"] and name == "trained":
+            lines.append(f"warning: {name}: simulated tau {r['simulated']['tau']:.2f} and real tau "
+                         f"{r['real']['tau']:.2f} differ by {r['sim_vs_real']:.0%} (> {PARITY_WARN:.0%}): "
+                         "training's acceptance does not predict serving's; check the chat template, "
+                         "thinking mode and target layers")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import sys
+
+    from transformers.utils import logging as hf_logging
+
+    from dflash_actors.prepare import add_template_args, template_opts
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_actors.evaluate",
+                                 description="Simulated against real acceptance of a drafter on held-out prompts")
+    ap.add_argument("checkpoint", help="drafter directory, checkpoint step-N, or run directory")
+    ap.add_argument("--prompts", required=True, help="held-out JSONL chat prompts or text lines")
+    ap.add_argument("--target", help="target path or pkg:NAME (default: the one the run trained against)")
+    ap.add_argument("--dataset", help="the training dataset, for its template metadata and the n-gram "
+                                      "baseline (default: the run's data.path)")
+    add_template_args(ap)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--limit", type=int, help="only the first N prompts")
+    ap.add_argument("--baselines", default="untrained,ngram,repeat", help="comma list, or none")
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--cache-dir", default=".cache")
+    ap.add_argument("--json", help="also write the full report here")
+    args = ap.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    try:
+        report = evaluate_real(args.checkpoint, args.prompts, target_path=args.target, dataset_dir=args.dataset,
+                               template=template_opts(args), max_new_tokens=args.max_new_tokens, limit=args.limit,
+                               baselines=tuple(b for b in args.baselines.split(",") if b and b != "none"),
+                               threads=args.threads, cache_dir=args.cache_dir,
+                               log=lambda m: print(m, file=sys.stderr))
+    except (ValueError, OSError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

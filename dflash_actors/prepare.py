@@ -114,7 +114,7 @@ def load_tokenizer(target_dir: Path):
     return tok
 
 
-def template_settings(tokenizer, enable_thinking: bool, system_prompt: str | None) -> TemplateSettings:
+def template_settings(tokenizer, enable_thinking: bool = False, system_prompt: str | None = None) -> TemplateSettings:
     sha = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:16]
     return TemplateSettings(enable_thinking, system_prompt, sha)
 

@@ -7,6 +7,8 @@ Contract:
             batch slot can be freed) plus the features ``[:T]`` = the selected layers'
             outputs, concatenated; the base then commits FEATURED
   waits for a free feature slot (reserved by the supervisor before dispatch)
+  on start checks its features against the model's plain forward (``target.self_check``);
+            a mismatch raises ``SelfCheckFailed`` and stops the job before training
   on restart reloads the target; whatever it held is put back to LOADED, its batch slot
             untouched, and recomputed by whichever target is free.
 Under ``runtime.simulate`` the forward is a wait and the features a stamped tensor of
@@ -21,8 +23,12 @@ import torch
 
 from ..batching import FEATURES, Batch, BatchBuffers, BatchMeta, copy_batch
 from ..config import Config
-from ..runtime.actor import Actor
+from ..runtime.actor import Actor, Escalate
 from ..simulate import SimulatedCompute, stamp, wait
+
+
+class SelfCheckFailed(Escalate):
+    """The features would be wrong on every restart: stop the job before training."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,13 @@ class Target(Actor):
         if self.sim is None:
             # Imported here: transformers costs seconds of every start, which a
             # simulated target (and its restarts) need not pay.
-            from ..models.target import load_target
+            from ..models.target import SelfCheckError, load_target, self_check
             self.model = load_target(self.spec.cfg, self.device)
+            if self.spec.cfg.target.self_check:
+                try:
+                    self_check(self.model)
+                except SelfCheckError as e:
+                    raise SelfCheckFailed(str(e)) from None
         else:
             like = self.out_ring.slot(0)[FEATURES]
             self.fake = torch.zeros(like.shape, dtype=like.dtype, device=self.device)

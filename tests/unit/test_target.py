@@ -7,7 +7,14 @@ import torch
 
 from dflash_actors.batching import Batch
 from dflash_actors.config import load_config
-from dflash_actors.models.target import build_target_layer_ids, ensure_target, load_target
+from dflash_actors.models.target import (
+    SelfCheckError,
+    TargetModel,
+    build_target_layer_ids,
+    ensure_target,
+    load_target,
+    self_check,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,3 +104,26 @@ def test_smollm2_from_its_package_offline():
     out = t.model(input_ids=ids, output_hidden_states=True, use_cache=False)
     want = torch.cat([out.hidden_states[L + 1] for L in t.layer_ids], dim=-1)
     torch.testing.assert_close(t.hidden(ids), want, rtol=0, atol=1e-4)
+
+
+class _ShiftedTarget(TargetModel):
+    """A wrapper with the classic bug: it captures each configured layer's successor."""
+
+    def hidden(self, input_ids):
+        ids = self.layer_ids
+        self.layer_ids = [min(L + 1, self.num_layers - 1) for L in ids]
+        try:
+            return super().hidden(input_ids)
+        finally:
+            self.layer_ids = ids
+
+
+def test_self_check_passes_a_correct_wrapper_and_names_the_wrong_layer(cfg):
+    t = load_target(cfg)
+    self_check(t)
+    wrong = _ShiftedTarget(t.model, [0, 2])
+    with pytest.raises(SelfCheckError, match=r"layer 0 features differ .*hidden_states\[1\]"):
+        self_check(wrong)
+    # Only the last layer wrong (3 cannot shift): the first layer that differs is named.
+    with pytest.raises(SelfCheckError, match=r"layer 2 features differ"):
+        self_check(_ShiftedTarget(t.model, [3, 2]))

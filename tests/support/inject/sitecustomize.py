@@ -1,11 +1,14 @@
 """Test-only fault injection for subprocess tests, outside the package.
 
-A test puts this directory first on ``PYTHONPATH`` and sets
-``DFLASH_TEST_CHECKPOINT_PAUSE_S``; every Python process of the run (the supervisor and
-each spawned actor) then imports this file at start-up, and once
-``dflash_actors.checkpoint`` is imported its ``save_checkpoint`` stalls that many
-seconds after the drafter files are written and before the checkpoint is complete, so
-a kill can land mid-write.
+A test puts this directory first on ``PYTHONPATH`` and sets one of the variables below;
+every Python process of the run (the supervisor and each spawned actor) then imports
+this file at start-up and patches the named module right after it is first imported:
+
+* ``DFLASH_TEST_CHECKPOINT_PAUSE_S``: ``dflash_actors.checkpoint.save_checkpoint``
+  stalls that many seconds after the drafter files are written and before the
+  checkpoint is complete, so a kill can land mid-write.
+* ``DFLASH_TEST_SHIFT_LAYERS``: ``TargetModel.hidden`` captures each configured layer's
+  successor, a wrong layer mapping that only the target's self-check can see.
 """
 
 import importlib.abc
@@ -14,7 +17,7 @@ import sys
 import time
 
 PAUSE_ENV = "DFLASH_TEST_CHECKPOINT_PAUSE_S"
-MODULE = "dflash_actors.checkpoint"
+SHIFT_ENV = "DFLASH_TEST_SHIFT_LAYERS"
 
 
 def _slow_down(module) -> None:
@@ -29,28 +32,48 @@ def _slow_down(module) -> None:
     module.save_checkpoint = slow_save
 
 
+def _shift_layers(module) -> None:
+    hidden = module.TargetModel.hidden
+
+    def shifted(self, input_ids):
+        ids = self.layer_ids
+        self.layer_ids = [min(L + 1, self.num_layers - 1) for L in ids]
+        try:
+            return hidden(self, input_ids)
+        finally:
+            self.layer_ids = ids
+    module.TargetModel.hidden = shifted
+
+
+PATCHES = {}
+if float(os.environ.get(PAUSE_ENV, 0)) > 0:
+    PATCHES["dflash_actors.checkpoint"] = _slow_down
+if os.environ.get(SHIFT_ENV):
+    PATCHES["dflash_actors.models.target"] = _shift_layers
+
+
 class _Patch(importlib.abc.MetaPathFinder):
-    """Finds ``MODULE`` with the other finders and patches it right after it runs."""
+    """Finds a module of ``PATCHES`` with the other finders and patches it right after it runs."""
 
     def find_spec(self, name, path, target=None):
-        if name != MODULE:
+        if name not in PATCHES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is not None:
-                spec.loader.exec_module = _then_slow_down(spec.loader.exec_module)
+                spec.loader.exec_module = _then(spec.loader.exec_module, PATCHES[name])
                 return spec
         return None
 
 
-def _then_slow_down(exec_module):
+def _then(exec_module, patch):
     def run(module):
         exec_module(module)
-        _slow_down(module)
+        patch(module)
     return run
 
 
-if float(os.environ.get(PAUSE_ENV, 0)) > 0:
+if PATCHES:
     sys.meta_path.insert(0, _Patch())
