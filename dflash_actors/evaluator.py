@@ -1,0 +1,162 @@
+"""evaluator: periodic held-out evaluation during training, beside the pipeline.
+
+Contract:
+  reads     the published weights (``WeightStore``), never writes shared state: it is
+            not a pipeline stage, so a slow or dead evaluator cannot delay a batch or
+            change the math (runs stay bit-identical with it on or off)
+  produces  one ``{"kind": "eval", ...}`` line in ``<run_dir>/metrics.jsonl`` per
+            evaluated version: simulated tau and per-position conditional acceptance on
+            the held-out split, and real speculative-decoding tau on its first
+            ``eval.real_prompts`` prompts
+  when      every ``eval.every`` optimizer steps; one that falls behind skips to the
+            newest due version rather than queueing
+  lifetime  a plain child process of the job, started with the supervisor and told to
+            finish when it returns (it then evaluates the final version once); it exits
+            on its own as soon as its parent is gone, so a killed job leaves no orphan.
+
+Why its own process and not "between steps": an evaluation of a real model takes
+seconds to minutes; between steps, every drafter would wait for it. Here it competes
+only for CPU (it runs at a lower priority) or its own ``eval.device``.
+
+Weights are read without a lock, seqlock style: version v lives in buffer v % 2 and the
+optimizer rewrites that buffer only while building v + 2, which it cannot start before
+v + 1 is published. A copy taken while the version still reads v or v + 1 afterwards is
+therefore whole; otherwise it is discarded and taken again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+POLL_S = 0.5
+
+
+def due_versions(first: int, last: int, every: int) -> list[int]:
+    """Versions to evaluate in ``(first, last]``: multiples of ``every``, and ``last``."""
+    out = list(range((first // every + 1) * every, last + 1, every))
+    return out if out and out[-1] == last else out + [last]
+
+
+def snapshot(store, version: int) -> torch.Tensor | None:
+    """A whole copy of the flat weights of ``version``, or None if the buffer was
+    recycled while copying (see the module docstring)."""
+    flat = store.weights[version % 2].clone()
+    return flat if store.version <= version + 1 else None
+
+
+class HeldOut:
+    """The held-out texts with their target features, computed once."""
+
+    def __init__(self, cfg, target, max_samples: int):
+        from dflash_actors.data import open_dataset
+
+        ds = open_dataset(cfg.data, progress=False, path=heldout_path(cfg))
+        self.items = []
+        for i in range(min(len(ds), max_samples)):
+            ids, mask = ds.sample(i)
+            if not mask.any():
+                continue
+            first = int(np.argmax(mask))
+            ids_t = torch.from_numpy(ids.astype(np.int64))
+            _, feats = target.logits_and_hidden(ids_t[None].to(target.device))
+            self.items.append((ids_t, first, feats[0]))
+
+
+def heldout_path(cfg) -> Path:
+    """``eval.data``, else the synthetic held-out split of the embedded default."""
+    if cfg.eval.data is not None:
+        return Path(cfg.eval.data)
+    from dflash_actors.synthetic import ensure_synthetic_dataset
+
+    return ensure_synthetic_dataset(cfg.data)[1]
+
+
+@torch.no_grad()
+def evaluate_version(drafter, target, heldout: HeldOut, cfg) -> dict:
+    from dflash_actors.evaluate import drafter_correct, real_tau, text_metrics
+
+    correct, valid = zip(*(drafter_correct(drafter, target, ids, first, feats) for ids, first, feats in heldout.items))
+    out = {"simulated": text_metrics(np.concatenate(correct), np.concatenate(valid))}
+    n = cfg.eval.real_prompts
+    if n:
+        prompts = [ids[:first] for ids, first, _ in heldout.items[:n]]
+        r = real_tau(drafter, target, prompts, cfg.eval.max_new_tokens, check_lossless="none")
+        out["real"] = {k: r[k] for k in ("tau", "tau_pooled", "per_position", "verify_steps")}
+    return out
+
+
+def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, parent: int) -> None:
+    """The process body (see the module contract)."""
+    from dflash_actors.models.drafter import build_drafter
+    from dflash_actors.models.target import load_target
+
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    torch.set_num_threads(cfg.train.num_threads)
+    target = load_target(cfg, cfg.eval.device)
+    drafter = build_drafter(cfg, target).eval()
+    params = list(drafter.parameters())
+    heldout = HeldOut(cfg, target, cfg.eval.max_samples)
+    due = due_versions(first_version, last_version, cfg.eval.every)
+    path = Path(run_dir) / "metrics.jsonl"
+    while due and os.getppid() == parent:
+        v = store.version
+        ready = [d for d in due if d <= v]
+        if not ready:
+            if stop.is_set():
+                return
+            time.sleep(POLL_S)
+            continue
+        flat = snapshot(store, v)
+        if flat is None:
+            continue
+        with torch.no_grad():
+            for p, w in zip(params, store.layout.views(flat)):
+                p.copy_(w)
+        t = time.perf_counter()
+        line = {"kind": "eval", "step": v, "time": round(time.time(), 3), **evaluate_version(drafter, target, heldout, cfg)}
+        line["wall_s"] = round(time.perf_counter() - t, 2)
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        due = [d for d in due if d > v]
+
+
+def main(cfg, store, run_dir, first_version, last_version, stop, parent) -> None:
+    try:
+        run(cfg, store, run_dir, first_version, last_version, stop, parent)
+    except Exception as e:      # an evaluation must never take training down with it
+        print(f"warning: evaluator stopped: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+class Evaluator:
+    """The job's handle: ``start()`` with the supervisor, ``finish()`` after it returns."""
+
+    def __init__(self, cfg, store, run_dir: Path, first_version: int, last_version: int):
+        import torch.multiprocessing as mp
+
+        self.ctx = mp.get_context("spawn")
+        self.stop = self.ctx.Event()
+        self.proc = self.ctx.Process(target=main, name="evaluator", daemon=True,
+                                     args=(cfg, store, str(run_dir), first_version, last_version, self.stop,
+                                           os.getpid()))
+
+    def start(self) -> None:
+        self.proc.start()
+
+    def finish(self, timeout_s: float) -> None:
+        """Let it evaluate what is due (the final version included), then make sure it is gone."""
+        self.stop.set()
+        self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            print(f"warning: evaluator still busy after {timeout_s:.0f} s; stopped", file=sys.stderr)
+            self.proc.kill()
+            self.proc.join()
