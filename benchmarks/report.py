@@ -93,6 +93,17 @@ def _others(benches: dict) -> list[str]:
         rows.append(["learning", f"simulated tau {lr['simulated_tau_untrained']} -> {lr['simulated_tau_trained']}, "
                                  f"real tau {lr['real_tau_trained']} (lossless: {lr['lossless']}), "
                                  f"sim vs real {lr['sim_vs_real']}"])
+    rr = benches.get("real", {})
+    if "skipped" in rr:
+        rows.append(["real", rr["skipped"]])
+    elif "error" not in rr and rr:
+        pos = " ".join("-" if x is None else f"{x:.2f}" for x in rr["per_position_trained"])
+        rows.append(["real", f"{rr['target']}, {rr['completions']} regenerated completions, "
+                             f"{rr['train_minutes']} min of training ({rr['train_steps']}/{rr['total_steps']} steps): "
+                             f"real tau trained {rr['real_tau_trained']} vs untrained {rr['real_tau_untrained']} vs "
+                             f"{rr['baseline']} baseline {rr['real_tau_baseline']}; simulated tau "
+                             f"{rr['simulated_tau_trained']}; per-position acceptance {pos}; "
+                             f"lossless: {rr['lossless']}"])
     for name, rec in benches.items():
         if "error" in rec:
             rows.append([name, f"FAILED: {rec['error'].splitlines()[-1] if rec['error'] else ''}"])

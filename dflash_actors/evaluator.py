@@ -123,7 +123,8 @@ def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, p
             for p, w in zip(params, store.layout.views(flat)):
                 p.copy_(w)
         t = time.perf_counter()
-        line = {"kind": "eval", "step": v, "time": round(time.time(), 3), **evaluate_version(drafter, target, heldout, cfg)}
+        line = {"kind": "eval", "step": v, "time": round(time.time(), 3),
+                **evaluate_version(drafter, target, heldout, cfg)}
         line["wall_s"] = round(time.perf_counter() - t, 2)
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -56,9 +56,10 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
         assert ids[:len(prompt)].tolist() == prompt and not mask[:len(prompt)].any()
         assert mask[len(prompt):].all() and 1 <= len(ids) - len(prompt) <= 12
         # greedy: the completion is the target's own continuation
+        from transformers import AutoModelForCausalLM
+
         from dflash_actors.evaluate import greedy_cached
         from dflash_actors.models.target import TargetModel
-        from transformers import AutoModelForCausalLM
         t = TargetModel(AutoModelForCausalLM.from_pretrained(target), [0])
         want, _ = greedy_cached(t, torch.tensor(prompt), 12, (tok.eos_token_id,))
         assert ids.tolist() == want.tolist()

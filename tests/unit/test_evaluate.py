@@ -8,8 +8,8 @@ from dflash_actors.data import open_dataset
 from dflash_actors.evaluate import (
     completion_entropy,
     conditional_acceptance,
-    greedy_cached,
     drafter_proposer,
+    greedy_cached,
     greedy_generate,
     real_tau,
     regenerate,
