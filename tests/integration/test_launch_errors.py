@@ -61,6 +61,8 @@ CASES = {
     "lockstep without room": (["--topology", "2-2", "--set", "runtime.batch_slots=1", "--set",
                                "runtime.schedule=lockstep"], "runtime.batch_slots: lockstep holds a whole step"),
     "unknown simulated shape": (["--set", "runtime.simulate.model=gpt-9"], "runtime.simulate.model: unknown shape"),
+    "missing held-out data": (["--set", "eval.every=5", "--set", "eval.data=/no/such/heldout"], "/no/such/heldout"),
+    "eval device": (["--set", "eval.device=gpu"], "eval.device: 'cpu' or 'cuda:N'"),
 }
 
 
