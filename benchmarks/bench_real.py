@@ -66,7 +66,7 @@ def train(run_dir: Path, minutes: float) -> tuple[float, str]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--train-minutes", type=float, default=30.0)
-    ap.add_argument("--heldout", type=int, default=32, help="held-out prompts decoded for real")
+    ap.add_argument("--heldout", type=int, default=24, help="held-out prompts decoded for real")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--run-dir", help="evaluate this finished run instead of training a new one")
     ap.add_argument("--threads", type=int, default=2)
@@ -99,6 +99,7 @@ def main(argv=None) -> dict:
     report = evaluate_real(run_dir, PROMPTS / "heldout.jsonl", dataset_dir=train_dir,
                            max_new_tokens=args.max_new_tokens, limit=args.heldout, threads=args.threads,
                            cache_dir=str(ROOT / ".cache"), log=say)
+    (run_dir / "evaluate.json").write_text(json.dumps(report, indent=1))
     res = report["results"]
     best = max(("ngram", "repeat"), key=lambda k: res[k]["real"]["tau"])
     out = {"bench": "real", "target": "SmolLM2-135M-Instruct", "completions": meta["completions"],
@@ -109,6 +110,7 @@ def main(argv=None) -> dict:
            "real_tau_baseline": round(res[best]["real"]["tau"], 3), "baseline": best,
            "simulated_tau_trained": round(res["trained"]["simulated"]["tau"], 3),
            "real_tau_pooled_trained": round(res["trained"]["real"]["tau_pooled"], 3),
+           "real_tau_clipped_trained": round(res["trained"]["real"]["tau_clipped"], 3),
            "per_position_trained": res["trained"]["real"]["per_position"],
            "simulated_per_position_trained": res["trained"]["simulated"]["per_position"],
            "tokens_per_target_call": round(res["trained"]["real"]["tokens_per_target_call"], 3),

@@ -19,7 +19,14 @@ from dflash_actors.data import open_dataset
 from dflash_actors.evaluate import main as evaluate_main
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.models.target import ensure_target
-from dflash_actors.prepare import SamplingSettings, encode_prompt, load_tokenizer, prepare, read_metadata
+from dflash_actors.prepare import (
+    PrepareError,
+    SamplingSettings,
+    encode_prompt,
+    load_tokenizer,
+    prepare,
+    read_metadata,
+)
 
 PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"}]}
            for i in range(7)] + [{"messages": [{"role": "system", "content": "Be brief."},
@@ -91,24 +98,19 @@ def test_prepare_resumes_after_kill_without_duplicates(chat, tmp_path):
     assert not (killed / "state.json").exists()
     r = subprocess.run(_prepare_cmd(target, prompts, killed), cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    clean = subprocess.run(_prepare_cmd(target, prompts, tmp_path / "clean"), cwd=ROOT, env=env,
-                           capture_output=True, text=True)
-    assert clean.returncode == 0, clean.stderr
+    assert not partial.exists()
+    clean = prepare(str(target), prompts, tmp_path / "clean", batch_size=1, shard_size=1, threads=1, progress=False,
+                    sampling=SamplingSettings(temperature=0.8, top_p=0.9, max_new_tokens=16, seed=5))
     data_cfg = load_config(ROOT / "configs/default.yaml").data
-    a, b = (open_dataset(data_cfg, progress=False, path=p) for p in (killed, tmp_path / "clean"))
+    a, b = (open_dataset(data_cfg, progress=False, path=p) for p in (killed, clean))
     assert len(a) == len(b) == len(PROMPTS) + 1
     for i in range(len(a)):
         assert np.array_equal(a.sample(i)[0], b.sample(i)[0]) and np.array_equal(a.sample(i)[1], b.sample(i)[1])
-    assert not partial.exists()
-    # a changed setting does not silently mix into a partial run
-    bad = subprocess.run(_prepare_cmd(target, prompts, tmp_path / "other") + ["--limit", "2"], cwd=ROOT, env=env,
-                         capture_output=True, text=True)
-    assert bad.returncode == 0
+    # Other settings do not silently mix into a partial run.
     (tmp_path / "mixed.partial").mkdir()
     (tmp_path / "mixed.partial" / "manifest.json").write_text(json.dumps({"format": 1, "seed": "other"}))
-    bad = subprocess.run(_prepare_cmd(target, prompts, tmp_path / "mixed"), cwd=ROOT, env=env,
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "was started with a different" in bad.stderr
+    with pytest.raises(PrepareError, match="was started with a different"):
+        prepare(str(target), prompts, tmp_path / "mixed", progress=False)
 
 
 def test_evaluate_reports_parity_and_refuses_a_template_mismatch(chat, cache_dir, tmp_path, capsys):
