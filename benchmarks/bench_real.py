@@ -94,6 +94,9 @@ def main(argv=None) -> dict:
         say(f"train {run_dir.name} for at most {args.train_minutes:g} minutes")
         minutes, how = train(run_dir, args.train_minutes)
         summary = json.loads((run_dir / "summary.json").read_text())
+        if summary["step"] == summary["total_steps"]:
+            # Training completed; only the evaluator's final evaluation was still running.
+            how = "finished"
     say(f"training {how}: step {summary['step']}/{summary['total_steps']} in {minutes:.1f} min")
     t = time.perf_counter()
     report = evaluate_real(run_dir, PROMPTS / "heldout.jsonl", dataset_dir=train_dir,
