@@ -218,7 +218,9 @@ def resolve_target_dir(path: str, gguf_file: str | None = None, cache_dir: str |
         if (p / "config.json").is_file() or not p.is_dir():
             return p
         ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) != 1:
+        if not ggufs:
+            raise ValueError(f"target.path: {p} holds no model (no config.json, no .gguf file)")
+        if len(ggufs) > 1:
             raise ValueError(f"target.path: {p} has no config.json and {len(ggufs)} .gguf files "
                              "(set target.gguf_file to choose one)")
         gguf_file = ggufs[0].name

@@ -47,7 +47,7 @@ def bad_tokens(tmp_path_factory):
 CASES = {
     "topology": (["--topology", "2-0"], "topology"),
     "missing dataset": (["--set", "data.path=/no/such/dataset"], "dataset not found"),
-    "target dir without a model": (["--set", "target.path={tmp}"], "target.path: cannot load a causal LM"),
+    "target dir without a model": (["--set", "target.path={tmp}"], "holds no model (no config.json, no .gguf"),
     "target not a causal LM": (["--set", "target.path={bert}"], "'t5' model, not a causal LM"),
     "block larger than budget": (["--set", "drafter.block_size=4096"], "drafter.block_size"),
     "drafter hidden size": (["--set", "drafter.init_from={other}"], "drafter.init_from: "),
