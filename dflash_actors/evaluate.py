@@ -62,14 +62,8 @@ def walk_tau(drafter, target, dataset) -> float:
     for i in range(len(dataset)):
         ids, mask = dataset.sample(i)
         L = len(ids)
-        ids_t = torch.from_numpy(ids).to(target.device)
-        batch = Batch(ids_t, torch.arange(L, device=target.device), torch.from_numpy(mask).to(target.device),
-                      torch.tensor([0, L], dtype=torch.int32), L)
-        anchors = torch.from_numpy(anchor_candidates(mask)).to(target.device)
-        hidden = block_hidden(drafter, target.embed_tokens, drafter.context(target.features(batch)), ids_t, anchors)
-        labels, valid = block_labels(ids_t, batch.loss_mask, anchors, drafter.block_size)
-        correct = (target.lm_head(hidden.to(target.dtype)).argmax(-1) == labels) & valid
-        accept = dict(zip(anchors.tolist(), (1 + correct[:, 1:].long().cumprod(1).sum(1)).tolist()))
+        correct, _ = drafter_correct(drafter, target, torch.from_numpy(ids), mask)
+        accept = dict(zip(anchor_candidates(mask).tolist(), (1 + np.cumprod(correct, axis=1).sum(1)).tolist()))
         start = int(np.argmax(mask))
         while start + 1 < L:
             n = min(accept[start], L - start - 1)
@@ -369,14 +363,20 @@ def evaluate_drafter(cfg, state_dict=None, max_new_tokens: int = 64) -> dict:
 
 
 @torch.no_grad()
-def drafter_correct(drafter, target, ids: torch.Tensor, prompt_len: int,
-                    feats: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(correct, valid)`` ``[A, B-1]`` over the completion of ``ids``: per anchor (every
-    completion position with a next token), whether each draft slot equals the text.
-    This is the training objective's view: the features of the whole text (``feats``,
-    computed here if not given), each block seeing only the positions before its anchor."""
-    mask = np.zeros(len(ids), np.int8)
+def completion_mask(length: int, prompt_len: int) -> np.ndarray:
+    """Loss mask of a prompt followed by its completion: 1 on the completion only."""
+    mask = np.zeros(length, np.int8)
     mask[prompt_len:] = 1
+    return mask
+
+
+@torch.no_grad()
+def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
+                    feats: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(correct, valid)`` ``[A, B-1]``: per anchor (``anchor_candidates(mask)``), whether
+    each draft slot equals the text. This is the training objective's view: the features
+    of the whole text (``feats``, computed here if not given), each block seeing only the
+    positions before its anchor."""
     ids_t = ids.to(target.device)
     L = len(ids)
     batch = Batch(ids_t, torch.arange(L, device=target.device), torch.from_numpy(mask).to(target.device),
@@ -465,7 +465,7 @@ def parity(name: str, drafter, target, prompts: list[torch.Tensor], max_new_toke
     correct, valid = [], []
     for p, text in zip(prompts, texts):
         if propose_for is None:
-            c, v = drafter_correct(drafter, target, text, len(p))
+            c, v = drafter_correct(drafter, target, text, completion_mask(len(text), len(p)))
         else:
             c, v = proposer_correct(propose_for(p), text, len(p), B)
         correct.append(c)

@@ -80,9 +80,10 @@ def heldout_path(cfg) -> Path:
 
 @torch.no_grad()
 def evaluate_version(drafter, target, heldout: HeldOut, cfg) -> dict:
-    from dflash_actors.evaluate import drafter_correct, real_tau, text_metrics
+    from dflash_actors.evaluate import completion_mask, drafter_correct, real_tau, text_metrics
 
-    correct, valid = zip(*(drafter_correct(drafter, target, ids, first, feats) for ids, first, feats in heldout.items))
+    correct, valid = zip(*(drafter_correct(drafter, target, ids, completion_mask(len(ids), first), feats)
+                           for ids, first, feats in heldout.items))
     out = {"simulated": text_metrics(np.concatenate(correct), np.concatenate(valid))}
     n = cfg.eval.real_prompts
     if n:
