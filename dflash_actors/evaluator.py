@@ -8,8 +8,9 @@ Contract:
             evaluated version: simulated tau and per-position conditional acceptance on
             the held-out split, and real speculative-decoding tau on its first
             ``eval.real_prompts`` prompts
-  when      every ``eval.every`` optimizer steps; one that falls behind skips to the
-            newest due version rather than queueing
+  when      once a multiple of ``eval.every`` optimizer steps is reached, on the newest
+            published version then (the only one whose weights are still held);
+            one that falls behind skips ahead rather than queueing
   lifetime  a plain child process of the job, started with the supervisor and told to
             finish when it returns (it then evaluates the final version once); it exits
             on its own as soon as its parent is gone, so a killed job leaves no orphan.
