@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .runtime.boot import Deferred, boot
+
 POLL_S = 0.5
 
 
@@ -148,9 +150,9 @@ class Evaluator:
 
         self.ctx = mp.get_context("spawn")
         self.stop = self.ctx.Event()
-        self.proc = self.ctx.Process(target=main, name="evaluator", daemon=True,
-                                     args=(cfg, store, str(run_dir), first_version, last_version, self.stop,
-                                           os.getpid()))
+        args = (cfg, store, str(run_dir), first_version, last_version, self.stop, os.getpid())
+        self.proc = self.ctx.Process(target=boot, name="evaluator", daemon=True,
+                                     args=(os.getpid(), Deferred(args), "dflash_actors.evaluator:main"))
 
     def start(self) -> None:
         self.proc.start()

@@ -10,6 +10,7 @@ through stages of actor processes, with the data in preallocated shared-memory r
     channels    rings of typed tensor slots: the data plane
     dispatch    Stage and Dispatcher: routing, slot reservation, recovery from the ledger
     actor       the actor process: lifecycle, heartbeats, the one error handler
+    boot        an actor's first code: the parent-death signal, armed before any import
     events      events.log, one writer and one schema
     trace       where each actor spent its time: spans merged into trace.json
     policy      what a death means: restart, give up, or raise to the caller

@@ -1,4 +1,4 @@
-"""Actor base: lifecycle, heartbeat, the one error handler, parent-death signal.
+"""Actor base: lifecycle, heartbeat, the one error handler.
 
 Contract of every actor process:
   consumes  ``Work`` messages from its pipe; reads its input slot and ledger row
@@ -27,7 +27,6 @@ hung actor is told apart from a slow one.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import os
 import signal
@@ -193,24 +192,9 @@ class Actor:
             t.join()
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the supervisor dies. The signal is tied to the thread
-    that forked us (the supervisor spawns from its main thread); the getppid check
-    closes the race of a parent that died before prctl ran."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def actor_main(cls: type, ctx: ActorContext) -> None:
-    """Process entry point (spawn target). Never returns normally: exits 0 on Stop,
-    1 after reporting an error."""
-    _die_with_parent(ctx.parent_pid)
+    """Process entry point, called by ``boot.boot`` once the parent-death signal is
+    armed. Never returns normally: exits 0 on Stop, 1 after reporting an error."""
     # Ctrl-C reaches the whole process group; only the supervisor decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(ctx.num_threads)

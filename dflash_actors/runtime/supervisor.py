@@ -54,7 +54,8 @@ from typing import Callable, Optional
 
 import torch.multiprocessing as tmp
 
-from .actor import ActorContext, Heartbeats, actor_main
+from .actor import ActorContext, Heartbeats
+from .boot import Deferred, boot
 from .channels import Ring, RingSpec
 from .config import RuntimeConfig
 from .dispatch import Dispatcher, Stage
@@ -237,7 +238,8 @@ class Supervisor:
             in_ring=self.rings[s.in_ring] if s.in_ring else None,
             out_ring=self.rings[s.out_ring] if s.out_ring else None, spec=s.spec,
             trace_dir=str(self.run_dir) if self.cfg.trace else None, trace_window=self._window)
-        proc = self._mp.Process(target=actor_main, args=(s.actor, ctx), name=c.actor_id, daemon=True)
+        proc = self._mp.Process(target=boot, args=(os.getpid(), Deferred((s.actor, ctx))), name=c.actor_id,
+                                daemon=True)
         proc.start()
         child_conn.close()
         c.proc, c.conn, c.ready, c.hung, c.error = proc, parent_conn, False, None, None

@@ -8,6 +8,7 @@ import sys
 import time
 
 import psutil
+from support.pipeline import SMALL
 from support.runtime import ROOT, all_gone
 
 
@@ -35,6 +36,32 @@ def test_children_die_with_a_killed_supervisor(tmp_path):
         os.kill(sup.pid, signal.SIGKILL)
         sup.wait(10)
         assert all_gone(pids, within_s=5), "an actor outlived its supervisor"
+    finally:
+        sup.kill()
+        sup.wait()
+
+
+
+def test_children_die_with_a_supervisor_killed_during_startup(tmp_path):
+    """launch.py's actors are still importing torch and transformers and unpickling their
+    arguments (seconds); the parent-death signal must already be armed then."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "launch.py", "--topology", "2-2", "--run-dir", str(run_dir)]
+    for kv in SMALL + [f"data.cache_dir={tmp_path / 'cache'}", "target.tiny.pretrain_steps=0"]:
+        argv += ["--set", kv]
+    sup = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        end, kids = time.monotonic() + 120, []
+        while time.monotonic() < end and len(kids) < 5:
+            kids = [p for p in psutil.Process(sup.pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
+            time.sleep(0.02)
+        assert len(kids) >= 5, "the actors were never spawned"
+        time.sleep(0.3)     # past interpreter start-up, inside the heavy imports
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait(10)
+        ready = [e for e in (run_dir / "events.log").read_text().splitlines() if '"ready"' in e]
+        assert not ready, "an actor was already ready: this killed nothing at start-up"
+        assert all_gone([p.pid for p in kids], within_s=1.0), "an actor outlived its supervisor at start-up"
     finally:
         sup.kill()
         sup.wait()

@@ -1,0 +1,54 @@
+"""The first code an actor process runs: tie its life to the supervisor's, then load.
+
+With the spawn start method a child unpickles its target's arguments before it runs
+any code of ours, and an actor's arguments hold torch tensors and the actor's class,
+whose imports (torch, transformers) take seconds. A supervisor killed with SIGKILL in
+that window used to leave its children alive until they had finished starting (10 to
+30 s). So the process target is ``boot``, in this module, which needs only the standard
+library: the real arguments travel as bytes (``Deferred``), pickled while the process
+object is, so the descriptors of shared tensors and pipes still pass to the child; the
+child unpickles them only once the parent-death signal is armed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+from multiprocessing.reduction import ForkingPickler
+
+PR_SET_PDEATHSIG = 1
+
+
+class Deferred:
+    """Pickles ``obj`` into bytes at the moment it is itself pickled: inside
+    ``Process.start``, where fd-backed objects register their descriptors for the child.
+    The child receives plain bytes and decides when to load them."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __reduce__(self):
+        return bytes, (bytes(ForkingPickler.dumps(self.obj)),)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the supervisor dies. The signal is tied to the thread
+    that forked us (the supervisor spawns from its main thread); the getppid check
+    closes the race of a parent that died before prctl ran."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def boot(parent_pid: int, payload: bytes, entry: str = "dflash_actors.runtime.actor:actor_main") -> None:
+    """Process target: arm the parent-death signal, then load ``payload`` (the pickled
+    argument tuple) and call ``entry`` (``module:function``) with it."""
+    die_with_parent(parent_pid)
+    args = pickle.loads(payload)
+    module, _, name = entry.partition(":")
+    fn = getattr(__import__(module, fromlist=[name]), name)
+    fn(*args)
