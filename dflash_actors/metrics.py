@@ -10,7 +10,8 @@ the per-step loss can be compared bit for bit with the reference trainer.
 
     batch_stats [total_batches, 5 + 2*B]   blocks, accepted, sum(CE*w), sum(w), tokens,
                                            slot_correct[B], slot_total[B]
-    step_stats  [total_steps, 7]           loss, tau, lr, grad_norm, tokens, time (unix), done (1.0)
+    step_stats  [total_steps, 8]           loss, tau, lr, grad_norm, tokens, time (unix),
+                                           skipped (1.0: not applied, non-finite), done (1.0)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from .models.loss import BlockStats
 
-STEP_COLS = ("loss", "tau", "lr", "grad_norm", "tokens", "time", "done")
+STEP_COLS = ("loss", "tau", "lr", "grad_norm", "tokens", "time", "skipped", "done")
 
 
 def batch_table(n_batches: int, block_size: int) -> torch.Tensor:
@@ -62,10 +63,19 @@ def fold_step(table: torch.Tensor, rows_by_drafter) -> tuple[BlockStats, int]:
 
 
 def write_step(table: torch.Tensor, row: int, stats: BlockStats, lr: float, grad_norm: float,
-               tokens: int) -> dict:
+               tokens: int, skipped: bool = False) -> dict:
     m = stats.metrics()
-    table[row] = torch.tensor([m["loss"], m["tau"], lr, grad_norm, tokens, time.time(), 1.0], dtype=torch.float64)
+    table[row] = torch.tensor([m["loss"], m["tau"], lr, grad_norm, tokens, time.time(), float(skipped), 1.0],
+                              dtype=torch.float64)
     return m
+
+
+def bad_run(table: torch.Tensor, step: int) -> int:
+    """How many steps in a row, ending just before ``step``, were skipped."""
+    n = 0
+    while step - n - 1 >= 0 and table[step - n - 1, -1] == 1.0 and table[step - n - 1, -2] == 1.0:
+        n += 1
+    return n
 
 
 def read_steps(table: torch.Tensor) -> list[dict]:

@@ -10,6 +10,12 @@ One step, from M drafter sums of A batches each::
 
 The LR follows linear warmup over ``ceil(warmup_ratio * total)`` steps, then a cosine
 to 0. AdamW uses torch's default betas and eps.
+
+A step whose summed gradient (or loss) is not finite is skipped: weights and moments
+stay as they are, while the LR schedule and AdamW's step counter still advance. The
+step keeps its place in the schedule, so version v is still "after v steps" and
+``restore`` rebuilds the same state after a restart; the skip only drops that step's
+update, which a NaN would otherwise spread into every weight.
 """
 
 from __future__ import annotations
@@ -37,19 +43,37 @@ def build_scheduler(opt, train, total_steps: int) -> torch.optim.lr_scheduler.La
 
 
 def reduce_and_step(params: list[torch.Tensor], shard_grads: list[list[torch.Tensor]], opt, sched,
-                    batches: int, grad_clip: float) -> float:
+                    batches: int, grad_clip: float, loss: float = 0.0) -> float:
     """Sum shard gradients in shard order, average over ``batches``, clip, step;
-    returns the pre-clip gradient norm."""
+    returns the pre-clip gradient norm. A non-finite norm or ``loss`` skips the update
+    (``skip_step``); the returned norm then says why (``math.isfinite``)."""
     grads = [g.clone() for g in shard_grads[0]]
     for shard in shard_grads[1:]:
         for g, s in zip(grads, shard):
             g.add_(s)
     for p, g in zip(params, grads):
         p.grad = g.div_(batches)
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    if not (math.isfinite(norm) and math.isfinite(loss)):
+        skip_step(opt, sched, params)
+        return norm if not math.isfinite(norm) else math.nan
     opt.step()
     sched.step()
-    return float(norm)
+    return norm
+
+
+def skip_step(opt, sched, params: list[torch.Tensor]) -> None:
+    """Advance the schedule and AdamW's step counter without an update, exactly as
+    ``restore`` would rebuild them (moments created as zeros if no step came yet)."""
+    step = float(sched.last_epoch + 1)
+    for p in params:
+        p.grad = None
+        st = opt.state[p]
+        if not st:
+            st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        st["step"] = torch.tensor(step)
+    # Not sched.step(): with no optimizer step before it, torch warns about the order.
+    set_position(opt, sched, sched.last_epoch + 1)
 
 
 def restore(opt, sched, params: list[torch.Tensor], version: int, exp_avg, exp_avg_sq) -> None:
@@ -60,8 +84,13 @@ def restore(opt, sched, params: list[torch.Tensor], version: int, exp_avg, exp_a
     for p, m, v in zip(params, exp_avg, exp_avg_sq):
         opt.state[p] = {"step": torch.tensor(float(version)), "exp_avg": m.to(p.device, copy=True),
                         "exp_avg_sq": v.to(p.device, copy=True)}
-    # LambdaLR's lr is closed-form in last_epoch, so setting it is exactly an unbroken
-    # run's position (calling sched.step() here would warn: no optimizer step came first).
+    # Setting the position is exactly an unbroken run's (calling sched.step() here
+    # would warn: no optimizer step came first).
+    set_position(opt, sched, version)
+
+
+def set_position(opt, sched, version: int) -> None:
+    """The LR schedule at ``version``: LambdaLR's lr is closed-form in ``last_epoch``."""
     sched.last_epoch = version
     for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
         group["lr"] = base * factor(version)

@@ -21,11 +21,14 @@ Each drafter j accumulates the gradient of its batches of a step in its own pair
 buffers, with a header naming the last batch included::
 
     grads       [M, 2, P] f32
-    grad_head   [M] int64    (last_batch + 1) * 2 + active buffer;  0 = nothing yet
+    grad_head   [M] int64    (last_batch + 1) << 21 | count << 1 | active buffer;  0 = nothing yet
 
-A drafter adds batch b into the inactive buffer, then flips the header (its commit
+``count`` is how many batches the sum holds (a step's first batch starts it at 1). A
+drafter adds batch b into the inactive buffer, then flips the header (its commit
 point), then commits GRAD_DONE in the ledger. Killed in between, its replacement sees
-the header already names b and does not add b twice.
+the header already names b and does not add b twice; and the optimizer checks that
+each sum holds exactly the step's batches, both the last one and how many, before it
+uses it, so a batch added twice or lost would stop the job rather than train it.
 
 P is the drafter's parameter count, flattened in ``named_parameters`` order.
 """
@@ -127,8 +130,9 @@ class WeightStore:
         return tuple(self.layout.views(t) for t in self.moments_flat(version))
 
     def publish(self, version: int, params: list[torch.Tensor], exp_avg: list[torch.Tensor] | None,
-                exp_avg_sq: list[torch.Tensor] | None) -> None:
-        """Write state ``version`` into its buffer, then commit it (the version store)."""
+                exp_avg_sq: list[torch.Tensor] | None, midway=None) -> None:
+        """Write state ``version`` into its buffer, then commit it (the version store).
+        ``midway()`` runs between the two (where an injected fault tests the commit point)."""
         b = version % 2
         with torch.no_grad():
             for dst, src in zip(self.layout.views(self.weights[b]), params):
@@ -139,6 +143,8 @@ class WeightStore:
                 else:
                     for dst, src in zip(self.layout.views(flat), srcs):
                         dst.copy_(src)
+        if midway is not None:
+            midway()
         self.version_t[0] = version
 
 
@@ -160,15 +166,28 @@ class GradAccumulators:
 
     def last_batch(self, j: int) -> int:
         """The last batch drafter j's active buffer includes (-1: none)."""
-        return int(self.head[j]) // 2 - 1
+        return (int(self.head[j]) >> _BATCH_SHIFT) - 1
+
+    def count(self, j: int) -> int:
+        """How many batches drafter j's active sum holds."""
+        return (int(self.head[j]) >> 1) & _COUNT_MASK
 
     def active(self, j: int) -> list[torch.Tensor]:
-        return self.layout.views(self.grads[j, int(self.head[j]) % 2])
+        return self.layout.views(self.grads[j, int(self.head[j]) & 1])
 
-    def commit(self, j: int, batch_id: int, grads: list[torch.Tensor]) -> None:
-        """Store the running sum that now includes ``batch_id``, then flip the header."""
-        b = 1 - int(self.head[j]) % 2
+    def commit(self, j: int, batch_id: int, grads: list[torch.Tensor], first: bool = True) -> None:
+        """Store the running sum that now includes ``batch_id``, then flip the header;
+        ``first``: the sum starts with this batch (else it adds to the active one)."""
+        head = int(self.head[j])
+        b = 1 - (head & 1)
+        count = 1 if first else ((head >> 1) & _COUNT_MASK) + 1
+        if count > _COUNT_MASK:
+            raise ValueError(f"a gradient sum holds at most {_COUNT_MASK} batches")
         with torch.no_grad():
             for dst, src in zip(self.layout.views(self.grads[j, b]), grads):
                 dst.copy_(src)
-        self.head[j] = (batch_id + 1) * 2 + b
+        self.head[j] = (batch_id + 1) << _BATCH_SHIFT | count << 1 | b
+
+
+_BATCH_SHIFT = 21
+_COUNT_MASK = (1 << (_BATCH_SHIFT - 1)) - 1

@@ -103,8 +103,9 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
             grads, st = shard_gradient(drafter, target, items, cfg)
             shard_grads.append(grads)
             stats = st if stats is None else stats + st
-        norm = reduce_and_step(params, shard_grads, opt, sched, schedule.per_step, cfg.train.grad_clip)
-        m = stats.metrics() | {"lr": lr, "grad_norm": norm, "epoch": schedule.epoch_of_step(step)}
+        m = stats.metrics()
+        norm = reduce_and_step(params, shard_grads, opt, sched, schedule.per_step, cfg.train.grad_clip, m["loss"])
+        m |= {"lr": lr, "grad_norm": norm, "epoch": schedule.epoch_of_step(step)}
         result.losses.append(m["loss"])
         result.metrics.append(m)
         result.steps += 1

@@ -9,6 +9,7 @@ prints the summary as one JSON line on stdout and a readable line on stderr.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -58,14 +59,21 @@ def finish(run_dir: Path, reason: str, step: int, total_steps: int, resumed_from
         "wall_s": round(wall_s, 2), "loss": last.get("loss"), "simulated_tau": last.get("tau"),
         "restarts": sum(restarts.values()), "restarts_by_actor": {k: v for k, v in restarts.items() if v},
         "rollbacks": rollbacks, "checkpoint": str(ckpt) if ckpt else None,
+        "skipped_steps": [resumed_from + i for i, s in enumerate(steps) if s["skipped"]],
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    (run_dir / "losses.json").write_text(json.dumps([s["loss"] for s in steps]))
+    summary["loss"], summary["simulated_tau"] = _finite(summary["loss"]), _finite(summary["simulated_tau"])
+    # Strict JSON: a skipped step's NaN loss is written as null, not as a bare NaN.
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    (run_dir / "losses.json").write_text(json.dumps([_finite(s["loss"]) for s in steps], allow_nan=False))
     print(json.dumps(summary), flush=True)
     if verbose:
-        loss = f"{summary['loss']:.4f}" if steps else "-"
-        tau = f"{summary['simulated_tau']:.3f}" if steps else "-"
+        loss = f"{summary['loss']:.4f}" if summary["loss"] is not None else "-"
+        tau = f"{summary['simulated_tau']:.3f}" if summary["simulated_tau"] is not None else "-"
         print(f"{reason}: step {step}/{total_steps}, loss {loss}, simulated tau {tau}, "
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['wall_s']:.1f} s, "
               f"{summary['restarts']} restarts; checkpoint {summary['checkpoint']}", file=sys.stderr)
     return summary
+
+
+def _finite(x):
+    return x if x is None or math.isfinite(x) else None

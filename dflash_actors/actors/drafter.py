@@ -62,11 +62,15 @@ class Drafter(Actor):
         self.params = list(self.model.parameters())
         self.gamma = decay_gamma(self.spec.cfg)
         self.version = -1
+        self.nan_batch = -1
         self.sim = SimulatedCompute.from_config(self.spec.cfg)
         if self.sim is not None:
             like = self.in_ring.slot(0)[FEATURES]
             self.sink = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         self.in_ring.pin()
+
+    def poison(self, w) -> None:
+        self.nan_batch = w.batch_id
 
     def _load_weights(self, s: int) -> None:
         store = self.spec.weights
@@ -89,9 +93,13 @@ class Drafter(Actor):
         batch = Batch.from_buffers(BatchBuffers.from_tensors(slot), meta).to(self.device)
         with self.span("drafter forward/backward", b, tokens=meta.n_tokens):
             stats = self._train(b, batch, slot[FEATURES][:meta.n_tokens])
+        if self.nan_batch == b:     # runtime.faults kind "nan": the optimizer must catch it
+            for p in self.params:
+                p.grad.fill_(float("nan"))
         write_batch(self.spec.batch_stats, b, stats, meta.n_tokens)
         with self.span("gradient commit", b):
-            acc.commit(self.j, b, [p.grad for p in self.params])
+            acc.commit(self.j, b, [p.grad for p in self.params],
+                       first=self.spec.schedule.previous_for_drafter(b) is None)
 
     def _load_running_sum(self, b: int) -> None:
         """p.grad = this step's running sum so far (None for the drafter's first batch)."""

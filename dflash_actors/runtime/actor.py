@@ -27,6 +27,7 @@ hung actor is told apart from a slow one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import os
 import signal
@@ -41,7 +42,7 @@ import torch
 
 from .channels import Ring
 from .ledger import Ledger
-from .messages import ActorError, Done, Ready, Stop, Work
+from .messages import ActorError, Done, Note, Ready, Stop, Work
 from .trace import Tracer, Window, part_path
 
 
@@ -135,10 +136,16 @@ class ActorContext:
     spec: Any = None                   # the stage's spec
     trace_dir: Optional[str] = None    # the run dir when tracing, else None
     trace_window: Optional[Window] = None
+    faults: tuple = ()                 # (number, FaultConfig) aimed at this actor
+    fired: Optional[torch.Tensor] = None   # shared int8 [all faults]: 1 once fired
 
 
 class Actor:
     """Subclass and override ``work`` (and ``attach``/``drain`` when needed)."""
+
+    FAULT_POINTS: tuple[str, ...] = ("work", "commit")
+    """Where ``runtime.faults`` can strike; subclasses that call ``fault_point`` at
+    points of their own add them."""
 
     def __init__(self, ctx: ActorContext):
         self.ctx = ctx
@@ -169,6 +176,24 @@ class Actor:
 
     def drain(self) -> None:
         """Flush before an orderly exit."""
+
+    def report(self, event: str, **fields) -> None:
+        """Record ``event`` in the supervisor's ``events.log``."""
+        self.ctx.conn.send(Note(self.ctx.actor_id, event, fields))
+
+    def poison(self, w: Work) -> None:
+        """Make the output of ``w`` non-finite (fault kind ``nan``); actors with a
+        numeric output override this."""
+        raise NotImplementedError(f"{self.ctx.actor_id} has no numeric output to make non-finite")
+
+    def fault_point(self, where: str, batch: int) -> None:
+        """Inject the configured fault due at ``where`` for ``batch``, if any (once)."""
+        for i, f in self.ctx.faults:
+            if f.at == where and batch >= f.at_batch and not self.ctx.fired[i]:
+                self.ctx.fired[i] = 1
+                self.report("fault", kind=f.kind, at=where, batch=batch,
+                            reason=f"injected by runtime.faults[{i}]")
+                _inject(self, f.kind)
 
     def beat(self) -> None:
         """Progress inside a long ``work``: keeps the hang detector off."""
@@ -241,7 +266,14 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
         hb.set(n, phase=Phase.WORKING, batch=msg.batch_id)
         b, tracer = msg.batch_id, actor.tracer
         t0 = time.monotonic()
+        actor.slow = actor.poisoned = False
+        actor.fault_point("work", b)
+        if actor.poisoned:
+            actor.poison(msg)
         actor.work(msg)
+        if actor.slow:      # 10x: nine more times the work's own duration, beating
+            _sleep_beating(actor, 9 * (time.monotonic() - t0))
+        actor.fault_point("commit", b)
         ctx.ledger.commit(b, ctx.to_state)
         # The span ends before Done goes out: whatever Done lets start begins after it.
         tracer.record("work", t0, time.monotonic(), b)
@@ -250,6 +282,35 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
         tracer.flush()
         done += 1
         hb.set(n, phase=Phase.IDLE, batch=-1, done=done)
+
+
+class InjectedFault(Exception):
+    """The ``exception`` kind of ``runtime.faults``."""
+
+
+def _inject(actor: Actor, kind: str) -> None:
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "segfault":
+        ctypes.string_at(0)
+    elif kind == "exit":
+        _exit(3)
+    elif kind == "exception":
+        raise InjectedFault("injected by runtime.faults")
+    elif kind == "hang":
+        while True:     # no heartbeat from here on: the supervisor's hang check ends it
+            time.sleep(3600)
+    elif kind == "slow":
+        actor.slow = True
+    elif kind == "nan":
+        actor.poisoned = True
+
+
+def _sleep_beating(actor: Actor, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, actor.ctx.heartbeat_s))
+        actor.beat()
 
 
 def _exit(code: int) -> None:

@@ -15,6 +15,7 @@ Actor -> supervisor::
 
     Ready(actor_id, pid)                         attached, entering the work loop
     Done(actor_id, batch_id)                     the ledger already records the new state
+    Note(actor_id, event, fields)                an event for events.log (a skipped step, a fault)
     ActorError(actor_id, exc_type, message, traceback_text, raised)   sent once, then exit 1
 
 Liveness does not travel here: each actor writes its heartbeat and progress counters
@@ -60,6 +61,16 @@ class Done:
 
     actor_id: str
     batch_id: int
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something the actor saw that the supervisor should record in ``events.log``
+    (the supervisor is its one writer); ``fields`` holds ints, floats and short strings."""
+
+    actor_id: str
+    event: str
+    fields: dict
 
 
 @dataclass(frozen=True)

@@ -52,16 +52,17 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
 import torch.multiprocessing as tmp
 
-from .actor import ActorContext, Heartbeats
+from .actor import Actor, ActorContext, Heartbeats
 from .boot import Deferred, boot
 from .channels import Ring, RingSpec
-from .config import RuntimeConfig
+from .config import ConfigError, RuntimeConfig
 from .dispatch import Dispatcher, Stage
 from .events import EventLog
 from .ledger import Ledger
-from .messages import ActorError, Done, Ready, Stop
+from .messages import ActorError, Done, Note, Ready, Stop
 from .policy import Decision, RestartPolicy
 from .trace import SUPERVISOR_TRACK, Tracer, Window, clear, merge, part_path
 
@@ -112,6 +113,22 @@ class _Child:
     error: Optional[ActorError] = None
 
 
+def check_faults(faults, actors: dict[str, type]) -> None:
+    """``runtime.faults`` against the actors (id -> class) a job will have: ConfigError
+    naming the entry if one names no actor, a point its actor lacks, or a kind it cannot do."""
+    for i, f in enumerate(faults):
+        key, cls = f"runtime.faults[{i}]", actors.get(f.actor)
+        if cls is None:
+            raise ConfigError(f"{key}.actor: no actor {f.actor!r} (actors: {', '.join(sorted(actors))})")
+        if f.at not in cls.FAULT_POINTS:
+            raise ConfigError(f"{key}.at: {f.actor} has fault points {list(cls.FAULT_POINTS)} (got {f.at!r})")
+        if f.kind in ("slow", "nan") and f.at != "work":
+            raise ConfigError(f"{key}.at: kind {f.kind!r} applies to a whole work item, so only at 'work' "
+                              f"(got {f.at!r})")
+        if f.kind == "nan" and cls.poison is Actor.poison:
+            raise ConfigError(f"{key}.kind: {f.actor} has no numeric output to make non-finite")
+
+
 class Supervisor:
     def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec],
                  n_batches: int, *, meta_cols: int = 0, first_batch: int = 0, num_threads: int = 1,
@@ -134,6 +151,9 @@ class Supervisor:
                 self.children.append(_Child(f"{stage.role}.{k}", len(self.children), stage, k,
                                             policy=RestartPolicy(runtime.max_restarts, runtime.restart_window_s)))
         self.heartbeats = Heartbeats.allocate(len(self.children))
+        check_faults(runtime.faults, {c.actor_id: c.stage.actor for c in self.children})
+        # Which injected faults have fired: shared, so that a replacement does not fire again.
+        self.fired = torch.zeros(max(1, len(runtime.faults)), dtype=torch.int8).share_memory_()
         self.dispatcher = Dispatcher(stages, rings, self.ledger,
                                      {c.number: (stages.index(c.stage), c.index) for c in self.children})
         self.state = JobState.RUNNING
@@ -237,7 +257,8 @@ class Supervisor:
             heartbeat_s=self.cfg.heartbeat_s, num_threads=self.num_threads, to_state=s.to_state,
             in_ring=self.rings[s.in_ring] if s.in_ring else None,
             out_ring=self.rings[s.out_ring] if s.out_ring else None, spec=s.spec,
-            trace_dir=str(self.run_dir) if self.cfg.trace else None, trace_window=self._window)
+            trace_dir=str(self.run_dir) if self.cfg.trace else None, trace_window=self._window,
+            faults=tuple((i, f) for i, f in enumerate(self.cfg.faults) if f.actor == c.actor_id), fired=self.fired)
         proc = self._mp.Process(target=boot, args=(os.getpid(), Deferred((s.actor, ctx))), name=c.actor_id,
                                 daemon=True)
         proc.start()
@@ -261,6 +282,8 @@ class Supervisor:
                 self.dispatcher.on_ready(c.number)
                 self._log("ready", actor=c.actor_id, pid=msg.pid,
                           startup_s=round(time.monotonic() - c.spawned_at, 3))
+            elif isinstance(msg, Note):
+                self._log(msg.event, actor=c.actor_id, **msg.fields)
             elif isinstance(msg, ActorError):
                 c.last_error = c.error = msg
                 self._log("actor_error", actor=c.actor_id, reason=msg.one_line(),

@@ -182,3 +182,41 @@ def test_restore_version_zero_is_a_fresh_start():
     restore(opt, sched, [p], 0, [torch.ones(3)], [torch.ones(3)])
     assert len(opt.state) == 0
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * lr_factor(0, 10, 0.2))
+
+
+# -- non-finite steps ---------------------------------------------------------
+
+NAN = ([math.nan, 0.0, 0.0], [0.1, 0.1, 0.1])
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_non_finite_step_is_skipped_and_restore_agrees(first):
+    """No update and the schedule moves on; a restart at the next version rebuilds the
+    same state, so the run stays bit-identical across it (first: the very first step)."""
+    train = _train(lr=0.1, weight_decay=0.01, warmup_ratio=0.2)
+    p, opt, sched = _setup(train)
+    if not first:
+        _step(p, opt, sched, STEP1)
+    before = p.detach().clone()
+    moments = {k: v.clone() for k, v in opt.state[p].items()} if not first else None
+    assert not math.isfinite(_step(p, opt, sched, NAN))
+    assert torch.equal(p.detach(), before) and p.grad is None
+    if moments:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], moments[k])
+    version = 1 if first else 2
+    assert sched.last_epoch == version and float(opt.state[p]["step"]) == version
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * lr_factor(version, 10, 0.2))
+    # A restart at this version, from the stored weights and moments.
+    q, opt2, sched2 = _setup(train, p.detach().tolist())
+    restore(opt2, sched2, [q], version, [opt.state[p]["exp_avg"]], [opt.state[p]["exp_avg_sq"]])
+    _step(p, opt, sched, STEP2)
+    _step(q, opt2, sched2, STEP2)
+    assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_non_finite_loss_alone_skips_the_step():
+    p, opt, sched = _setup(_train())
+    before = p.detach().clone()
+    norm = reduce_and_step([p], _shards(1.0), opt, sched, batches=4, grad_clip=1.0, loss=math.inf)
+    assert math.isnan(norm) and torch.equal(p.detach(), before) and sched.last_epoch == 1

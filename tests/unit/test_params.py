@@ -278,3 +278,19 @@ def test_commit_killed_between_any_two_writes_keeps_the_last_sum():
             assert acc.last_batch(1) == 7
             _assert_all_equal(acc.active(1), new)
             assert acc.last_batch(0) == 0 and acc.last_batch(2) == 2
+
+
+def test_the_header_counts_the_batches_of_a_sum():
+    layout = _layout()
+    acc = GradAccumulators.allocate(layout, 2)
+    g = _grads(layout, 1)
+    acc.commit(0, 2, g)
+    acc.commit(0, 4, g, first=False)
+    acc.commit(0, 6, g, first=False)
+    assert (acc.last_batch(0), acc.count(0)) == (6, 3)
+    acc.commit(0, 8, g)            # the next step's first batch starts a new sum
+    assert (acc.last_batch(0), acc.count(0)) == (8, 1)
+    assert (acc.last_batch(1), acc.count(1)) == (-1, 0)
+    big = (1 << 40) + 3          # batch ids far beyond any run keep their bits
+    acc.commit(1, big, g)
+    assert (acc.last_batch(1), acc.count(1)) == (big, 1)

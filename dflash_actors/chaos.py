@@ -1,0 +1,239 @@
+"""Chaos: faults injected from inside the job, and kills from outside it, as a user's
+cluster would deal them.
+
+Two tools:
+
+* ``chaos_faults(cfg, seed, n)`` schedules ``n`` random ``runtime.faults`` over every
+  actor of the job (loader and optimizer included), every fault point and every kind
+  that ends or stalls an actor; ``launch.py --chaos SEED`` uses it. Faults never change
+  the math (``nan`` is left out), so a chaos run must end bit-identical to a clean one.
+* ``python -m dflash_actors.chaos RUN_DIR --kills N --seed S -- LAUNCH_ARGS`` starts
+  ``launch.py --run-dir RUN_DIR LAUNCH_ARGS`` and, at random moments, ``kill -9``s real
+  pids read from ``status.json``: actors (each must come back), the supervisor itself
+  (``--supervisor-kills``: its actors must be gone within a second, then the driver
+  resumes the run with ``--resume``), and ``--stop-cont`` times it ``SIGSTOP``s a
+  healthy actor for half of ``runtime.hang_timeout_s`` and continues it (it must not be
+  restarted). When the run ends it prints one JSON line: what it did, restart times,
+  and what it found wrong (orphans, a restarted stopped actor, the exit status).
+
+Whether the run trained what a clean run trains is for the caller to check against
+the final checkpoint (``benchmarks/chaos_suite.py``, ``make chaos``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch.py"
+ENDING_KINDS = ("sigkill", "exit", "exception", "segfault", "slow", "hang")
+HANG_AFFORDABLE_S = 20.0
+"""A hang costs ``hang_timeout_s`` of a stalled stage: chaos only injects one when cheap."""
+
+
+def actor_ids(cfg) -> list[str]:
+    top = cfg.topology
+    return (["loader.0"] + [f"target.{i}" for i in range(top.num_targets)]
+            + [f"drafter.{j}" for j in range(top.num_drafters)] + ["optimizer.0"])
+
+
+def chaos_faults(cfg, seed: int, n: int, total_batches: int) -> list[dict]:
+    """``n`` random faults (``runtime.faults`` entries) over ``[0, total_batches)``."""
+    rng = random.Random(seed)
+    kinds = [k for k in ENDING_KINDS if k != "hang" or cfg.runtime.hang_timeout_s <= HANG_AFFORDABLE_S]
+    out = []
+    for _ in range(n):
+        actor = rng.choice(actor_ids(cfg))
+        kind = rng.choice(kinds)
+        points = ["work"] if kind == "slow" else ["work", "commit"]
+        if actor == "optimizer.0" and kind != "slow":
+            points += ["publish"] + (["checkpoint"] if cfg.train.checkpoint_every else [])
+        out.append({"actor": actor, "at_batch": rng.randrange(total_batches), "kind": kind, "at": rng.choice(points)})
+    return sorted(out, key=lambda f: f["at_batch"])
+
+
+def faults_override(faults: list[dict]) -> str:
+    """``--set`` text for ``runtime.faults`` (YAML flow style)."""
+    return "runtime.faults=" + json.dumps(faults)
+
+
+# ---------------------------------------------------------------------------
+# the external driver
+
+
+def _status(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:        # a zombie runs nothing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        import psutil
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except Exception:   # noqa: BLE001 - gone already
+        return []
+
+
+class Driver:
+    def __init__(self, run_dir: Path, launch_args: list[str], seed: int, quiet: bool):
+        self.run_dir, self.launch_args, self.rng = run_dir, launch_args, random.Random(seed)
+        self.proc: subprocess.Popen | None = None
+        self.log = open(run_dir.parent / f"{run_dir.name}.chaos.log", "a") if quiet else None
+        self.restart_s: list[float] = []
+        self.supervisor_restart_s: list[float] = []
+        self.problems: list[str] = []
+        self.done = {"kills": 0, "supervisor_kills": 0, "stop_cont": 0}
+        self.launches = 0
+
+    def launch(self, resume: bool) -> None:
+        where = ["--resume", str(self.run_dir)] if resume else ["--run-dir", str(self.run_dir)]
+        out = self.log or None
+        self.proc = subprocess.Popen([sys.executable, str(LAUNCH), *where, *self.launch_args],
+                                     stdout=out, stderr=out)
+        self.launches += 1
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def all_up(self, timeout: float = 300.0) -> dict | None:
+        """The status once every actor of the live supervisor is idle or working."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.running():
+            st = _status(self.run_dir)
+            if (st and st.get("supervisor_pid") == self.proc.pid and st["state"] == "running"
+                    and all(a["state"] in ("idle", "working") for a in st["actors"].values())):
+                return st
+            time.sleep(0.05)
+        return None
+
+    def kill_actor(self, st: dict) -> None:
+        victim = self.rng.choice(sorted(st["actors"]))
+        pid = st["actors"][victim]["pid"]
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        self.done["kills"] += 1
+        end = t0 + 300
+        while time.monotonic() < end and self.running():
+            s = _status(self.run_dir)
+            a = s and s["actors"].get(victim)
+            if a and a["pid"] not in (None, pid) and a["state"] in ("idle", "working"):
+                self.restart_s.append(time.monotonic() - t0)
+                return
+            time.sleep(0.02)
+        if self.running():
+            self.problems.append(f"{victim} was not back 300 s after its kill")
+
+    def kill_supervisor(self) -> None:
+        kids = _children(self.proc.pid)
+        t0 = time.monotonic()
+        self.proc.kill()
+        self.proc.wait()
+        self.done["supervisor_kills"] += 1
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and any(_alive(p) for p in kids):
+            time.sleep(0.02)
+        left = [p for p in kids if _alive(p)]
+        if left:
+            self.problems.append(f"processes {left} outlived the killed supervisor by more than 1 s")
+        self.launch(resume=True)
+        if self.all_up() is not None:
+            self.supervisor_restart_s.append(time.monotonic() - t0)
+
+    def stop_cont(self, st: dict, hang_timeout_s: float) -> None:
+        victim = self.rng.choice(sorted(st["actors"]))
+        pid = st["actors"][victim]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(hang_timeout_s / 2)
+        os.kill(pid, signal.SIGCONT)
+        self.done["stop_cont"] += 1
+        time.sleep(1.0)     # a hang decision in flight would show by now
+        s = _status(self.run_dir)
+        if s and s.get("supervisor_pid") == self.proc.pid and s["actors"][victim]["pid"] != pid:
+            self.problems.append(f"{victim} was restarted after a SIGSTOP shorter than hang_timeout_s")
+
+    def run(self, kills: int, supervisor_kills: int, stops: int, mean_gap_s: float) -> dict:
+        t0 = time.monotonic()
+        plan = ["kill"] * kills + ["supervisor"] * supervisor_kills + ["stop"] * stops
+        self.rng.shuffle(plan)
+        self.launch(resume=False)
+        hang_s = None
+        for i, what in enumerate(plan):
+            st = self.all_up()
+            if st is None:
+                self.problems.append(f"the run ended before event {i + 1} of {len(plan)} ({what})")
+                break
+            if hang_s is None:
+                import yaml
+                hang_s = float(yaml.safe_load((self.run_dir / "config.yaml").read_text())["runtime"]["hang_timeout_s"])
+            time.sleep(self.rng.uniform(0, 2 * mean_gap_s))
+            if not self.running():
+                self.problems.append(f"the run ended before event {i + 1} of {len(plan)} ({what})")
+                break
+            st = _status(self.run_dir) or st
+            if what == "kill":
+                self.kill_actor(st)
+            elif what == "supervisor":
+                self.kill_supervisor()
+            else:
+                self.stop_cont(st, hang_s)
+        code = self.proc.wait() if self.proc else None
+        if code != 0:
+            self.problems.append(f"launch.py exited {code}")
+        return {"kills": self.done["kills"], "supervisor_kills": self.done["supervisor_kills"],
+                "stop_cont": self.done["stop_cont"], "launches": self.launches, "exit_code": code,
+                "restart_s_median": round(statistics.median(self.restart_s), 2) if self.restart_s else None,
+                "restart_s_max": round(max(self.restart_s), 2) if self.restart_s else None,
+                "supervisor_restart_s_median": (round(statistics.median(self.supervisor_restart_s), 2)
+                                                if self.supervisor_restart_s else None),
+                "wall_s": round(time.monotonic() - t0, 1), "problems": self.problems}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--kills", type=int, default=10, help="kill -9 of random actors")
+    ap.add_argument("--supervisor-kills", type=int, default=0, help="kill -9 of the supervisor, then --resume")
+    ap.add_argument("--stop-cont", type=int, default=0, help="SIGSTOP then SIGCONT within hang_timeout_s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mean-gap-s", type=float, default=1.0, help="mean wait before each event")
+    ap.add_argument("--quiet", action="store_true", help="send launch.py's output to RUN_DIR.chaos.log")
+    ap.add_argument("launch_args", nargs=argparse.REMAINDER, help="-- then launch.py's arguments")
+    args = ap.parse_args(argv)
+    launch_args = args.launch_args[1:] if args.launch_args[:1] == ["--"] else args.launch_args
+    if min(args.kills, args.supervisor_kills, args.stop_cont) < 0:
+        print("error: counts must be >= 0", file=sys.stderr)
+        return 2
+    if args.run_dir.exists():
+        print(f"error: {args.run_dir} exists; chaos starts a new run", file=sys.stderr)
+        return 2
+    args.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    out = Driver(args.run_dir, launch_args, args.seed, args.quiet).run(
+        args.kills, args.supervisor_kills, args.stop_cont, args.mean_gap_s)
+    print(json.dumps(out), flush=True)
+    return 0 if not out["problems"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

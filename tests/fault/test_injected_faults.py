@@ -1,0 +1,81 @@
+"""``runtime.faults``: every kind of failure injected at a chosen batch, inside the job."""
+
+import json
+import math
+
+import pytest
+from support.pipeline import assert_same_weights, final_weights, losses, small_config
+
+from dflash_actors.pipeline import Job
+from dflash_actors.reference import train_reference
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults-cache")
+
+
+def events(run_dir):
+    return [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines()]
+
+
+def faults(*entries):
+    return "runtime.faults=[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in e.items()) + "}"
+                                          for e in entries) + "]"
+
+
+# Every kind that ends an actor, at each role and at each fault point, in one 2-2 run.
+FATAL = [dict(actor="loader.0", at_batch=3, kind="exit"),
+         dict(actor="target.1", at_batch=5, kind="sigkill"),
+         dict(actor="drafter.0", at_batch=6, kind="exception", at="commit"),
+         dict(actor="drafter.1", at_batch=9, kind="hang"),
+         dict(actor="optimizer.0", at_batch=11, kind="sigkill", at="publish"),
+         dict(actor="optimizer.0", at_batch=14, kind="segfault", at="checkpoint"),
+         dict(actor="target.0", at_batch=12, kind="slow")]
+
+
+def test_injected_faults_of_every_kind_change_nothing(cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = small_config(cache_dir, run_dir, "2-2", faults(*FATAL), "train.checkpoint_every=2",
+                       "runtime.hang_timeout_s=4")
+    result = Job(cfg, progress=False).run()
+    assert result.exit_code == 0, result.reason
+    assert sorted(result.committed) == list(range(len(result.committed))) and result.committed
+    ev = events(run_dir)
+    fired = [(e["actor"], e["kind"], e["at"]) for e in ev if e["event"] == "fault"]
+    assert fired == [(f["actor"], f["kind"], f.get("at", "work")) for f in FATAL], fired
+    died = {(e["actor"], e["reason"]) for e in ev if e["event"] == "died"}
+    for actor, cause in [("loader.0", "exit code 3"), ("target.1", "killed by SIGKILL"),
+                         ("drafter.0", "InjectedFault"), ("drafter.1", "hung: no heartbeat"),
+                         ("optimizer.0", "killed by SIGKILL"), ("optimizer.0", "killed by SIGSEGV")]:
+        assert any(a == actor and cause in r for a, r in died), (actor, cause, died)
+    # The slow actor beat while it dawdled: never taken for hung.
+    assert "target.0" not in {a for a, _ in died}
+    ref = train_reference(cfg, progress=False)
+    assert losses(run_dir) == ref.losses
+    assert_same_weights(final_weights(run_dir), ref.state_dict)
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_job(cache_dir, tmp_path):
+    """1-1, one batch per step: a NaN gradient at step 4 is skipped and training goes on;
+    a second one at step 5 makes two in a row, over max_bad_steps=1: the job stops with
+    the weights of before step 4 (skips change nothing) in its final checkpoint."""
+    run_dir = tmp_path / "run"
+    cfg = small_config(cache_dir, run_dir, "1-1", "train.max_bad_steps=1",
+                       faults(dict(actor="drafter.0", at_batch=4, kind="nan"),
+                              dict(actor="drafter.0", at_batch=5, kind="nan")))
+    result = Job(cfg, progress=False).run()
+    assert result.exit_code == 1
+    assert "NonFiniteStop: 2 steps in a row" in result.reason and "before step 4" in result.reason
+    bad = [e for e in events(run_dir) if e["event"] == "bad_step"]
+    assert [(e["step"], e["in_a_row"]) for e in bad] == [(4, 1), (5, 2)]
+    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=pytest.fail)
+    assert summary["skipped_steps"] == [4, 5] and summary["step"] == 5
+    got = losses(run_dir)
+    assert len(got) == 6 and all(math.isfinite(x) for x in got)
+    ref = train_reference(small_config(cache_dir, tmp_path / "ref", "1-1"), progress=False)
+    assert got[:5] == ref.losses[:5]
+    # Step 4 changed nothing and step 5 was never published: the final checkpoint, of
+    # version 5, holds the weights after the 4 good steps, finite.
+    assert summary["checkpoint"].endswith("step-0000005")
+    assert all(t.isfinite().all() for t in final_weights(run_dir).values())
