@@ -23,11 +23,13 @@ Contract:
 
 from __future__ import annotations
 
+import errno
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint import latest_checkpoint, save_checkpoint, trainer_state
+from ..checkpoint import save_checkpoint, trainer_state, verified_checkpoint
 from ..config import Config
 from ..metrics import fold_step, write_step
 from ..models.drafter import build_drafter
@@ -115,15 +117,28 @@ class Optimizer(Actor):
             self._maybe_checkpoint(sched.step_of(w.batch_id) + 1)
 
     def _maybe_checkpoint(self, version: int) -> None:
-        """Write the checkpoint of ``version`` (the committed one) if it is due and missing."""
+        """Write the checkpoint of ``version`` (the committed one) if it is due and no
+        checkpoint of it verifies.
+
+        A full disk (ENOSPC, EDQUOT) is not a crash: a restart would meet the same disk
+        and burn the restart budget of a healthy actor, and stopping would throw away
+        the training since the last checkpoint. The write is dropped (``save_checkpoint``
+        removes its temporary directory; the previous checkpoint is untouched), one
+        line goes to stderr, and the next due version tries again while training goes
+        on. The final checkpoint is the job's, which stops with an error if it fails."""
         cfg = self.spec.cfg
         every = cfg.train.checkpoint_every
         if not every or not version or version % every or version == self.spec.schedule.total_steps:
             return      # the final checkpoint is written by the job once actors stop
         run_dir = cfg.runtime.run_dir
-        last = latest_checkpoint(run_dir)
-        if last is not None and last.name == f"step-{version:07d}":
-            return
         with self.beating(), self.span("checkpoint", step=version):
-            save_checkpoint(run_dir, version, self.model.save_pretrained,
-                            trainer_state(cfg, self.spec.schedule, self.spec.weights, version))
+            if verified_checkpoint(run_dir, version) is not None:   # hashes it: beating
+                return
+            try:
+                save_checkpoint(run_dir, version, self.model.save_pretrained,
+                                trainer_state(cfg, self.spec.schedule, self.spec.weights, version))
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                print(f"optimizer: checkpoint step-{version:07d} not written ({e.strerror}); "
+                      f"training goes on, next try at step {version + every}", file=sys.stderr, flush=True)
