@@ -199,14 +199,23 @@ class DFlashDrafter(nn.Module):
         path = Path(path)
         if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
             raise ValueError(f"{path}: not a drafter directory (needs config.json and {WEIGHTS})")
-        d = json.loads((path / "config.json").read_text())
+        conf = path / "config.json"
+        try:
+            d = json.loads(conf.read_text())
+        except (OSError, ValueError) as e:      # ValueError: JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{conf}: not readable as JSON ({e})") from None
+        if not isinstance(d, dict) or not {"block_size", "dflash_config"} <= set(d):
+            raise ValueError(f"{conf}: not a DFlash drafter config (needs block_size and dflash_config)")
         _check_supported(path, d)
         extra = {k: d.pop(k) for k in ("block_size", "num_target_layers", "dflash_config", "auto_map") if k in d}
         cfg = Qwen3Config.from_dict(d)
         for k, v in extra.items():
             setattr(cfg, k, v)
         model = cls(cfg)
-        state = load_file(str(path / WEIGHTS))
+        try:
+            state = load_file(str(path / WEIGHTS))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, or OSError
+            raise ValueError(f"{path / WEIGHTS}: not readable as safetensors ({e or type(e).__name__})") from None
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: weights do not match its config.json "
