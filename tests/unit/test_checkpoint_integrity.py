@@ -92,8 +92,8 @@ def _break_safetensors_header(p):
 
 
 DAMAGE = {
-    "flipped byte in model.safetensors data": (WEIGHTS, flip_tensor_byte, "model.safetensors does not match its checksum"),
-    "flipped byte in trainer_state.pt data": (STATE_FILE, flip_tensor_byte, "trainer_state.pt does not match its checksum"),
+    "flipped byte in model.safetensors data": (WEIGHTS, flip_tensor_byte, f"{WEIGHTS} does not match its checksum"),
+    "flipped byte in trainer_state.pt data": (STATE_FILE, flip_tensor_byte, "trainer_state.pt does not match its"),
     "truncated model.safetensors": (WEIGHTS, _truncate, "model.safetensors has "),
     "empty trainer_state.pt": (STATE_FILE, lambda p: p.write_bytes(b""), "trainer_state.pt has 0 bytes"),
     "corrupt safetensors header": (WEIGHTS, _break_safetensors_header, "model.safetensors does not match its checksum"),
