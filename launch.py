@@ -2,7 +2,9 @@
 
 Thin on purpose: parse arguments, build and check the config, hand over to the
 pipeline. Bad input exits with status 2 and one line, before any actor starts and
-without writing to the run directory.
+without writing to the run directory; so does a run directory that another job holds.
+``--resume RUN_DIR`` builds on the run's own ``config.yaml``: only what changes needs
+saying again.
 """
 
 from __future__ import annotations
@@ -11,19 +13,23 @@ import argparse
 import json
 import sys
 
-from dflash_actors.config import add_config_args, config_from_args
+from dflash_actors.config import DEFAULT_CONFIG, add_config_args, config_from_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(ap)
     ap.add_argument("--run-dir", help="where status.json, events.log and checkpoints go")
-    ap.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
+    ap.add_argument("--resume", metavar="RUN_DIR",
+                    help="continue RUN_DIR from its newest checkpoint that verifies, on its saved config.yaml "
+                         "(a --config given now replaces it; --topology and --set given now apply on top)")
     ap.add_argument("--plan-only", action="store_true",
                     help="validate config and data, print the first epoch's plan, and exit")
     ap.add_argument("--devices", type=int, metavar="K",
                     help="with --topology auto: devices to split (default: the GPUs here, or 2 without any)")
-    return ap.parse_args(argv)
+    # --config left out reads as None (the help still shows the default), so that a
+    # resume can tell "not given" from "given the default".
+    return ap.parse_args(argv, argparse.Namespace(config=None))
 
 
 def auto_topology(args: argparse.Namespace, overrides: list[str]) -> str:
@@ -51,6 +57,10 @@ def main(argv=None) -> int:
         return 2
     run_dir = [f"runtime.run_dir={args.resume or args.run_dir}"] if args.run_dir or args.resume else []
     try:
+        if args.resume:
+            from dflash_actors.rundir import resume_config
+            args.config = resume_config(args.resume, args.config)
+        args.config = args.config or str(DEFAULT_CONFIG)
         if args.topology == "auto":
             args.topology = auto_topology(args, run_dir)
         elif args.devices is not None:

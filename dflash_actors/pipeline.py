@@ -1,10 +1,12 @@
 """The training job: loader -> target.0..N-1 -> drafter.0..M-1 -> optimizer, supervised.
 
 ``Job(cfg).run()`` is what ``launch.py`` calls. In the parent, before anything is
-spawned, the constructor checks the input (``preflight``: devices, dataset structure
-and token range, epoch plans; bad input raises and nothing is written to the run
-directory), builds the tiny target if the config asks for it (once, not by N racing
-actors) and loads the starting point (version 0, or the newest checkpoint).
+spawned, the constructor checks the input (the run directory is usable, ``preflight``:
+devices, dataset structure and token range, epoch plans; bad input raises and nothing
+is written to the run directory), builds the tiny target if the config asks for it
+(once, not by N racing actors), then takes the run directory's lock (``rundir``: one
+job per directory, held until ``run`` returns) and loads the starting point (version
+0, or the newest checkpoint that verifies).
 
 ``run`` then makes attempts until one ends for a reason other than a rollback: an
 attempt allocates the shared state (``wiring.JobShared``), fills it with the starting
@@ -13,7 +15,8 @@ supervisor returns, for whatever reason (finished, signal, an actor that kept dy
 the actors are gone and the shared state is consistent, so the final checkpoint is
 written from it here. If instead the optimizer found the committed state
 untrustworthy (``RollbackRequired``), the attempt's state is dropped unwritten and the
-next attempt starts from the newest checkpoint, at most ``runtime.max_restarts`` times.
+next attempt starts from the newest checkpoint that verifies (version 0 if none does),
+at most ``runtime.max_restarts`` times.
 With ``eval.every`` set, an ``evaluator`` process beside the supervisor reads the
 published weights and appends held-out metrics to ``metrics.jsonl``.
 """
@@ -28,17 +31,25 @@ from typing import Optional
 
 import torch
 
-from . import report, wiring
+from . import report, rundir, wiring
 from .actors.optimizer import RollbackRequired
 from .batching import META_COLS
 from .checkpoint import (
+    MANIFEST,
+    STATE_FILE,
+    CheckpointError,
     ResumeError,
     check_resumable,
+    first_line,
+    has_manifest,
     latest_checkpoint,
+    list_checkpoints,
     load_trainer_state,
+    newest_usable,
     remove_partial,
     save_checkpoint,
     trainer_state,
+    verified_checkpoint,
 )
 from .config import Config, ConfigError, dump_config
 from .models.drafter import DFlashDrafter, build_drafter
@@ -66,40 +77,78 @@ class RunResult:
 @dataclass
 class Start:
     """Where an attempt starts: the drafter module on CPU holding weight version
-    ``version``, and the AdamW moments after it (None at version 0)."""
+    ``version``, the AdamW moments after it (None at version 0), and the checkpoint
+    they came from (None at version 0)."""
 
     model: DFlashDrafter
     version: int
     moments: Optional[dict] = None
+    checkpoint: Optional[Path] = None
 
 
-def load_start(cfg: Config, target, run_dir: Path, resume: bool) -> Start:
-    """Version 0 (``build_drafter`` honours ``drafter.init_from``), or with ``resume`` the
-    newest complete checkpoint, refused if the config would change the math."""
-    model = build_drafter(cfg, target)
+def load_start(cfg: Config, model: DFlashDrafter, run_dir: Path, resume: bool) -> Start:
+    """Version 0 (``model``, as ``build_drafter`` made it), or with ``resume`` the newest
+    checkpoint that verifies and loads, refused if the config would change the math.
+
+    A resume whose checkpoints all fail raises, naming each one and why; one whose job
+    was stopped before its first checkpoint (config.yaml, no checkpoint) starts over,
+    saying so on stderr."""
     if not resume:
-        if latest_checkpoint(run_dir) is not None:
+        if list_checkpoints(run_dir):
             raise ConfigError(f"runtime.run_dir: {run_dir} already holds checkpoints; "
                               "pass --resume to continue it, or choose another --run-dir")
         return Start(model, 0)
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise ResumeError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
-    state = load_trainer_state(ckpt)
+    start, skipped = checkpoint_start(cfg, model, run_dir)
+    if start is not None:
+        return start
+    if skipped:
+        why = "; ".join(f"{p.name}: {w}" for p, w in skipped)
+        raise ResumeError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} verifies ({why})")
+    if not (run_dir / rundir.SAVED_CONFIG).is_file():
+        raise ResumeError(f"--resume: {run_dir} is not a run directory (no config.yaml, no complete checkpoint)")
+    print(f"--resume: {run_dir} has no checkpoint yet (its job stopped before the first); "
+          "starting it from the beginning", file=sys.stderr)
+    return Start(model, 0)
+
+
+def checkpoint_start(cfg: Config, model: DFlashDrafter, run_dir: Path) -> tuple[Optional[Start], list]:
+    """The newest checkpoint that verifies and loads, as a Start (None if none does), and
+    the newer ones passed over with the reason. When one is found, each passed over gets
+    a line on stderr, as does a checkpoint without a manifest (accepted unchecked)."""
+    found = newest_usable(run_dir, _load_checkpoint)
+    if found.path is None:
+        return None, found.skipped
+    for p, why in found.skipped:
+        print(f"skipping checkpoint {p.name}: {why}; resuming from {found.path.name}", file=sys.stderr)
+    if not has_manifest(found.path):
+        print(f"warning: checkpoint {found.path.name} has no {MANIFEST} (written before checksums); "
+              "resuming from it unverified", file=sys.stderr)
+    state, weights = found.loaded
     check_resumable(state["config"], cfg.to_dict())
-    model.load_state_dict(DFlashDrafter.from_pretrained(ckpt).state_dict())
-    return Start(model, int(state["step"]), state["optimizer"])
+    model.load_state_dict(weights)
+    return Start(model, int(state["step"]), state["optimizer"], found.path), found.skipped
+
+
+def _load_checkpoint(ckpt: Path) -> tuple[dict, dict]:
+    state = load_trainer_state(ckpt)
+    missing = [k for k in ("step", "config", "optimizer") if k not in state]
+    if missing:
+        raise CheckpointError(f"{STATE_FILE} lacks {missing}")
+    return state, DFlashDrafter.from_pretrained(ckpt).state_dict()
 
 
 class Job:
     """A prepared run: inputs checked, starting point loaded, nothing spawned yet.
 
-    The constructor raises (ConfigError, DatasetError, ResumeError, ValueError) for bad
-    input and writes nothing to the run directory; ``run`` does the rest."""
+    The constructor raises (ConfigError, DatasetError, ResumeError, RunDirError,
+    ValueError) for bad input. Nothing is written to the run directory before the input
+    is valid, and then only the lock file (a refused resume leaves just that); ``run``
+    does the rest and releases the lock."""
 
     def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
         self.t0 = time.perf_counter()
         self.cfg, self.run_dir, self.progress = cfg, Path(cfg.runtime.run_dir), progress
+        rundir.check(self.run_dir)
         self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
         self.target = target_info(cfg, "cpu")
         self.pre.dataset.check_values(self.target.vocab_size, progress=progress)
@@ -107,9 +156,18 @@ class Job:
         if schedule.total_steps == 0:
             raise ConfigError(f"train.grad_accum: no optimizer step fits an epoch ({len(self.pre.plan0)} "
                               f"batches; a step needs grad_accum * drafters = {schedule.per_step})")
-        self.start = load_start(cfg, self.target, self.run_dir, resume)
-        self.layout = ParamLayout.of(self.start.model)
-        self.shared = self._allocate()
+        model = build_drafter(cfg, self.target)      # checks drafter.init_from
+        # The input is valid: from here on the directory is this job's. Checkpoints are
+        # read under the lock, so never while another job writes them.
+        self.lock = rundir.RunDirLock(self.run_dir)
+        self.lock.acquire()
+        try:
+            self.start = load_start(cfg, model, self.run_dir, resume)
+            self.layout = ParamLayout.of(self.start.model)
+            self.shared = self._allocate()
+        except BaseException:
+            self.lock.release()
+            raise
 
     def _allocate(self) -> wiring.JobShared:
         """Fresh shared state holding the starting point."""
@@ -121,9 +179,15 @@ class Job:
         return shared
 
     def run(self) -> RunResult:
-        remove_partial(self.run_dir)
+        try:
+            return self._run()
+        finally:
+            self.lock.release()
+
+    def _run(self) -> RunResult:
+        remove_partial(self.run_dir)        # no writer but us: every temporary is a leftover
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
+        (self.run_dir / rundir.SAVED_CONFIG).write_text(dump_config(self.cfg))
         rollbacks = 0
         while True:
             if self.start.version == self.schedule.total_steps:
@@ -131,18 +195,25 @@ class Job:
             result = self._attempt()
             if not isinstance(result.raised, RollbackRequired):
                 break
-            ckpt = latest_checkpoint(self.run_dir)
-            to = ckpt.name if ckpt else "start"
-            with EventLog(self.run_dir / "events.log") as events:   # the supervisor's log, closed by now
-                events.log("rollback", to=to, reason=str(result.raised))
             if rollbacks >= self.cfg.runtime.max_restarts:
                 return self._finish(1, f"gave up after {rollbacks} rollbacks; last: {result.raised}",
                                     result.restarts, rollbacks)
             rollbacks += 1
+            model = build_drafter(self.cfg, self.target)
+            start, _ = checkpoint_start(self.cfg, model, self.run_dir)
+            self.start = start or Start(model, 0)
+            to = start.checkpoint.name if start else "start"
+            with EventLog(self.run_dir / "events.log") as events:   # the supervisor's log, closed by now
+                events.log("rollback", to=to, reason=str(result.raised))
             print(f"rolling back to {to}: {result.raised}", file=sys.stderr)
-            self.start = load_start(self.cfg, self.target, self.run_dir, resume=ckpt is not None)
             self.shared = self._allocate()
-        self._checkpoint()
+        try:
+            self._checkpoint()
+        except OSError as e:
+            last = latest_checkpoint(self.run_dir)
+            return self._finish(1, f"final checkpoint (step {self.shared.weights.version}) not written: "
+                                   f"{e.strerror or first_line(e)}; the newest checkpoint is "
+                                   f"{last.name if last else 'none'}", result.restarts, rollbacks)
         if result.state is JobState.FAILED and result.traceback:
             (self.run_dir / "error.txt").write_text(result.traceback)
         out = self._finish(result.exit_code, result.reason, result.restarts, rollbacks)
@@ -174,13 +245,21 @@ class Job:
 
     def _checkpoint(self) -> Path:
         """The final checkpoint, from the shared state (consistent: no actor is left),
-        and no leftovers of writes a kill cut short."""
+        and no leftovers of writes a kill cut short. One of this version that verifies
+        is kept; a damaged one is rewritten.
+
+        A failed write (a full disk) raises: ``run`` ends the job with one line and
+        exit 1. Unlike a periodic checkpoint, which the optimizer skips and retries at
+        the next interval while training goes on, the final one has no next interval:
+        ending "finished" with the end state unsaved would lose the run's last stretch
+        silently. The previous checkpoint is intact and ``--resume`` continues from it
+        once there is room."""
         remove_partial(self.run_dir)
         store = self.shared.weights
         version = store.version
-        last = latest_checkpoint(self.run_dir)
-        if last is not None and last.name == f"step-{version:07d}":
-            return last
+        done = verified_checkpoint(self.run_dir, version)
+        if done is not None:
+            return done
         model = self.start.model
         store.load_params(list(model.parameters()), version)
         return save_checkpoint(self.run_dir, version, model.save_pretrained,

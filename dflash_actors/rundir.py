@@ -1,0 +1,94 @@
+"""The run directory: checked before anything is written, held by one job at a time.
+
+``check`` refuses a run directory that is a file or that cannot be written (a read-only
+mount, no write permission) before the minutes of loading that the first write would
+otherwise follow. ``resume_config`` says which config a ``--resume`` builds on.
+
+``RunDirLock`` is an exclusive ``flock`` on ``<run_dir>/.lock``, taken by the job's
+parent once its input is checked and held for the job's life: two jobs in one directory
+would write the same checkpoints, status and logs. The lock belongs to the open file,
+so the kernel drops it when the holder dies, kill -9 included: no stale lock, nothing
+to clean up. The file holds the holder's pid, for the message of the job refused.
+Actors never hold it: the spawn start method closes every descriptor it does not pass
+(and Python opens files non-inheritable), so a lock outliving its job is impossible.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from .checkpoint import list_checkpoints
+
+LOCK_FILE = ".lock"
+SAVED_CONFIG = "config.yaml"
+
+
+class RunDirError(ValueError):
+    """A run directory this job cannot use; the message says why."""
+
+
+def check(run_dir: str | Path) -> None:
+    """Raise RunDirError unless ``run_dir`` is, or can be created as, a writable directory."""
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise RunDirError(f"runtime.run_dir: {p} is a file, not a directory")
+    home = p
+    while not home.exists():        # where it will be created
+        home = home.parent
+    if not home.is_dir():
+        raise RunDirError(f"runtime.run_dir: {home} is a file, not a directory")
+    if not os.access(home, os.W_OK | os.X_OK):
+        inside = "" if home == p else f" (to create {p} in)"
+        raise RunDirError(f"runtime.run_dir: {home} is not writable{inside}")
+
+
+def resume_config(run_dir: str | Path, given: str | None) -> str | None:
+    """The config file a ``--resume`` of ``run_dir`` builds on: ``given`` (an explicit
+    ``--config``), else the run's own ``config.yaml``, so that the original ``--config``,
+    ``--topology`` and ``--set`` need not be repeated (those given now apply on top).
+    None when the run has no config.yaml (written before it was kept): the default."""
+    p = Path(run_dir)
+    saved = p / SAVED_CONFIG
+    if not p.exists():
+        raise RunDirError(f"--resume: {p} does not exist")
+    if not p.is_dir():
+        raise RunDirError(f"--resume: {p} is a file, not a run directory")
+    if not saved.is_file() and not list_checkpoints(p):
+        raise RunDirError(f"--resume: {p} is not a run directory (no config.yaml, no complete checkpoint)")
+    if given is not None:
+        return given
+    return str(saved) if saved.is_file() else None
+
+
+class RunDirLock:
+    """Exclusive hold on a run directory; ``acquire`` creates the directory if needed."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise RunDirError(f"runtime.run_dir: cannot create {self.path} ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirError(f"runtime.run_dir: {self.path.parent} is in use by another job (pid {holder}); "
+                              "wait for it to end or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        """Unlock; the file stays (removing it would let a newcomer lock a file that a
+        third job already opened, and both would hold "the" lock)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
