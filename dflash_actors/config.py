@@ -36,6 +36,7 @@ from .runtime.config import (
     build,
     checked,
     in_range,
+    nonempty,
     optional,
 )
 
@@ -70,7 +71,7 @@ class SyntheticDataConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: Optional[str] = None
+    path: Optional[str] = checked(None, optional(nonempty))
     """HF ``save_to_disk`` directory, ``.arrow`` or ``.parquet``; None = synthetic."""
     max_seq_len: int = checked(4096, at_least(2))
     overlong: Literal["truncate", "drop"] = "truncate"
@@ -113,7 +114,7 @@ class TinyTargetConfig:
 
 @dataclass(frozen=True)
 class TargetConfig:
-    path: Optional[str] = None
+    path: Optional[str] = checked(None, optional(nonempty))
     """Local HF causal-LM directory (or GGUF package dir with ``gguf_file``); None = tiny."""
     gguf_file: Optional[str] = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -133,7 +134,7 @@ class DrafterConfig:
     """Target layers whose outputs feed the drafter; None = build_target_layer_ids."""
     mask_token_id: Optional[int] = checked(None, optional(at_least(0)))
     """An unused embedding row of the target; None = the target's last vocab row."""
-    init_from: Optional[str] = None
+    init_from: Optional[str] = checked(None, optional(nonempty))
     """A drafter directory (e.g. a released DFlash drafter) to start from; None = random init."""
 
 
@@ -227,7 +228,7 @@ class EvalConfig:
 
     every: int = checked(0, at_least(0))
     """Optimizer steps between evaluations (and the final weights); 0 = off."""
-    data: Optional[str] = None
+    data: Optional[str] = checked(None, optional(nonempty))
     """Held-out dataset of target text (``prepare`` on held-out prompts); None = the
     synthetic held-out split."""
     max_samples: int = checked(32, at_least(1))
@@ -300,8 +301,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text}: expected key.path=value")
+    if not raw.strip():
+        # Read as null it would quietly mean "the default": for data.path, synthetic data.
+        raise ConfigError(f"{key.strip()}: empty value in --set {text} (write {key.strip()}=null for none)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         raise ConfigError(f"{key}: cannot parse value {raw!r} ({e.__class__.__name__})") from None
     return key.strip(), value
@@ -335,9 +339,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         if not p.is_file():
             raise ConfigError(f"config: file not found: {p}")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config: {p} is not UTF-8 text (byte {e.start}: {e.reason})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config: {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if raw is None:
+            # An empty file is more likely a failed write or the wrong file than a wish
+            # for the dataclass defaults (which are not configs/default.yaml); ``{}`` says that.
+            raise ConfigError(f"config: {p} is empty (no settings; write {{}} for the built-in defaults)")
         if not isinstance(raw, dict):
             raise ConfigError(f"config: {p} must hold a mapping at top level")
     if topology is not None:

@@ -11,6 +11,7 @@ only ``RuntimeConfig``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -46,6 +47,12 @@ def above(lo: float):
     return check
 
 
+def nonempty(v):
+    # An empty path is Path("") == ".": the current directory, never what was meant.
+    if not v.strip():
+        return "must not be empty"
+
+
 def optional(check):
     """Apply ``check`` only when the value is not None."""
     def wrapped(v):
@@ -64,7 +71,7 @@ def checked(default: Any, check=None):
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    run_dir: str = "runs/latest"
+    run_dir: str = checked("runs/latest", nonempty)
     batch_slots: int = checked(4, at_least(1))
     feature_slots: int = checked(4, at_least(1))
     heartbeat_s: float = checked(0.5, above(0))
@@ -113,20 +120,32 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if len(value) != len(args):
             raise ConfigError(f"{path}: must have {len(args)} entries (got {value!r})")
         return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        # YAML 1.1 reads "1e-3" (no dot) as a string; accept what float() accepts.
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if tp is float:
+        return _finite(_float(value, path), path)
     if tp in (int, float, str, bool):
         # bool is an int in Python; refuse it where a number is meant, and vice versa.
         if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
             raise ConfigError(f"{path}: must be {_type_name(tp)} (got {value!r})")
         return value
     raise TypeError(f"unsupported config type {tp!r} at {path}")
+
+
+def _float(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{path}: must be float (got {value!r})")
+    try:
+        # YAML 1.1 reads "1e-3" (no dot) as a string; accept what float() accepts.
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{path}: must be float (got {value!r})") from None
+
+
+def _finite(value: float, path: str) -> float:
+    # NaN passes every comparison check (nan < 0 is False) and inf passes most; neither
+    # is a usable rate, timeout or cost.
+    if not math.isfinite(value):
+        raise ConfigError(f"{path}: must be a finite number (got {value!r})")
+    return value
 
 
 def build(cls, raw: dict, prefix: str = ""):

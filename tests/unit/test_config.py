@@ -47,6 +47,15 @@ def test_overrides_and_topology():
     ("data.synthetic=3", "data.synthetic: must be a mapping"),
     ("train.lr.x=1", "train.lr: is a value, not a section"),
     ("novalue", "expected key.path=value"),
+    ("train.lr=.inf", "train.lr: must be a finite number (got inf)"),
+    ("train.weight_decay=.nan", "train.weight_decay: must be a finite number (got nan)"),
+    ("train.gamma=-inf", "train.gamma: must be a finite number (got -inf)"),
+    ("runtime.grace_s=.inf", "runtime.grace_s: must be a finite number (got inf)"),
+    ("train.lr=[1]", "train.lr: must be float (got [1])"),
+    ("data.path=", "data.path: empty value in --set data.path="),
+    ("data.path=''", "data.path: must not be empty (got '')"),
+    ("target.path=' '", "target.path: must not be empty"),
+    ("runtime.run_dir=''", "runtime.run_dir: must not be empty"),
 ])
 def test_bad_values_name_the_key_path(override, message):
     with pytest.raises(ConfigError) as e:
@@ -70,6 +79,20 @@ def test_bad_yaml_files(tmp_path):
     (tmp_path / "broken.yaml").write_text("train: {lr: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(tmp_path / "broken.yaml")
+    (tmp_path / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\xff\x00")
+    with pytest.raises(ConfigError, match=r"binary\.yaml is not UTF-8 text"):
+        load_config(tmp_path / "binary.yaml")
+    # Empty means a failed write or the wrong file, not "the dataclass defaults": {} says that.
+    (tmp_path / "empty.yaml").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml is empty"):
+        load_config(tmp_path / "empty.yaml")
+    (tmp_path / "braces.yaml").write_text("{}\n")
+    assert load_config(tmp_path / "braces.yaml") == Config()
+
+
+def test_null_still_means_none():
+    cfg = load_config(ROOT / "configs/default.yaml", ["data.path=null", "train.gamma=null", "train.lr=1e-3"])
+    assert cfg.data.path is None and cfg.train.gamma is None and cfg.train.lr == 1e-3
 
 
 def test_digest_tracks_values():
