@@ -31,6 +31,8 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 ARROW_FILE_MAGIC = b"ARROW1"
+ARROW_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+"""What a closed IPC stream writer writes last (continuation token, length 0)."""
 
 
 class DatasetError(ValueError):
@@ -70,7 +72,10 @@ def _list_views(arr: pa.Array, file: str, first_row: int, col: str):
 def _read_table(path: Path) -> pa.Table:
     """Memory-map an Arrow stream/file shard (zero copy) or decode a parquet file."""
     if path.suffix == ".parquet":
-        return pq.read_table(path, memory_map=True)
+        try:
+            return pq.read_table(path, memory_map=True)
+        except (pa.ArrowException, OSError) as e:
+            raise DatasetError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
     # Python's mmap behind a BufferReader rather than pa.memory_map: the latter advises
     # the kernel to read ahead every region it reads, which makes open cost grow with
     # the file's size (measured ~10x slower on a 1.6 GB dataset); this stays zero-copy.
@@ -82,9 +87,20 @@ def _read_table(path: Path) -> pa.Table:
     try:
         if mapped[:len(ARROW_FILE_MAGIC)] == ARROW_FILE_MAGIC:
             return pa.ipc.open_file(source).read_all()
-        return pa.ipc.open_stream(source).read_all()
-    except pa.ArrowInvalid as e:
-        raise DatasetError(f"{path}: not an Arrow IPC stream or file ({e})") from None
+        table = pa.ipc.open_stream(source).read_all()
+    except (pa.ArrowException, OSError) as e:   # a cut-off body is an OSError, random bytes too
+        raise DatasetError(f"{path}: not an Arrow IPC stream or file, or cut short ({_first_line(e)})") from None
+    # A stream cut at a message boundary reads without error, minus its tail: only the
+    # end-of-stream marker that every closed writer leaves tells the two apart.
+    end = source.tell()
+    if mapped[end - len(ARROW_STREAM_END):end] != ARROW_STREAM_END:
+        raise DatasetError(f"{path}: Arrow stream cut short after {table.num_rows} rows "
+                           "(no end-of-stream marker: a truncated copy or an unfinished write?)")
+    return table
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _shard_paths(path: Path) -> list[Path]:
@@ -258,6 +274,48 @@ class TokenDataset:
                 if c.mask_offsets is not None and not isinstance(c.mask_values, pa.Array):
                     self._check_range(c, c.mask_offsets, c.mask_values, 0, 1, "loss_mask", "not 0 or 1")
                 bar.update(int(c.ids_offsets[-1] - c.ids_offsets[0]))
+
+    def check_trainable(self) -> None:
+        """Raise unless some sample has an anchor: a position a < length-1 with
+        ``loss_mask[a] = loss_mask[a+1] = 1`` (the loss trains on nothing else).
+
+        Stops at the first anchor found, so a usual dataset costs one window; one with
+        none costs a vectorised pass over the masks, in bounded windows.
+        """
+        if not self.has_loss_mask:
+            if (self.lengths >= 2).any():
+                return
+            raise DatasetError(f"{self.path}: nothing to learn: every sample is 1 token long "
+                               "(an anchor needs 2 consecutive supervised tokens)")
+        used = self.lengths     # per raw row: length after truncation, 0 if dropped
+        if self._kept is not None:
+            used = np.zeros(self._chunk_rows[-1], np.int32)
+            used[self._kept] = self.lengths
+        for c, chunk in enumerate(self._chunks):
+            if self._has_anchor(chunk, used[self._chunk_rows[c]:self._chunk_rows[c + 1]]):
+                return
+        raise DatasetError(f"{self.path}: nothing to learn: no sample has 2 consecutive loss_mask=1 positions "
+                           "(an anchor needs loss_mask[a] = loss_mask[a+1] = 1)")
+
+    @staticmethod
+    def _has_anchor(c: _Chunk, used: np.ndarray) -> bool:
+        offsets, values = c.mask_offsets, c.mask_values
+        a, b = int(offsets[0]), int(offsets[-1])
+        step = 1 << 22   # bound the temporaries
+        for s in range(a, b, step):
+            e = min(b, s + step + 1)    # one past the window: pairs straddle its end
+            v = values.slice(s, e - s).to_numpy(zero_copy_only=False) if isinstance(values, pa.Array) \
+                else values[s:e]
+            m = v != 0
+            pos = s + np.flatnonzero(m[:-1] & m[1:])
+            if len(pos) == 0:
+                continue
+            # A pair counts only inside one sample's used length: not across two
+            # samples, not past a truncation, not in a dropped sample.
+            r = np.searchsorted(offsets, pos, side="right") - 1
+            if (pos + 1 < offsets[r] + used[r]).any():
+                return True
+        return False
 
     @staticmethod
     def _check_range(c: _Chunk, offsets, values, lo, hi, col, what):

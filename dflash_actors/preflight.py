@@ -1,8 +1,9 @@
 """Everything the supervisor checks before it spawns anything.
 
 Bad input must fail here, in the parent, with one line and nothing written to the run
-directory: config (already validated on load), devices, dataset structure and token
-range, and the epoch plan. Each step that can take over a second shows progress.
+directory: config (already validated on load), devices, dataset structure, that the
+dataset has an anchor to train on, token range, and the epoch plan. Each step that can
+take over a second shows progress.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ class Preflight:
 
 
 def preflight(cfg: Config, progress: bool = True) -> Preflight:
-    """Devices, dataset structure and the first epoch's plan. Token ids are checked
-    against the vocabulary by the caller once it knows the target
-    (``TokenDataset.check_values``)."""
+    """Devices, dataset structure (and that it has something to learn) and the first
+    epoch's plan. Token ids are checked against the vocabulary by the caller once it
+    knows the target (``TokenDataset.check_values``)."""
     devices = resolve_devices(cfg)
     train = train_path(cfg)
     if cfg.eval.every and cfg.eval.data is not None:
@@ -68,5 +69,6 @@ def preflight(cfg: Config, progress: bool = True) -> Preflight:
     if cfg.eval.every and cfg.eval.device.startswith("cuda") and int(cfg.eval.device[5:]) >= torch.cuda.device_count():
         raise ConfigError(f"eval.device: {cfg.eval.device} but {torch.cuda.device_count()} CUDA devices exist")
     ds = open_dataset(cfg.data, progress=progress, path=train)
+    ds.check_trainable()
     plan0 = plan_for(cfg, ds.lengths, 0)
     return Preflight(devices, train, ds, plan0)

@@ -174,3 +174,57 @@ def test_overlong_truncate_and_drop(tmp_path):
     assert_samples(d, [SAMPLES[i] for i in kept], [MASKS[i] for i in kept])
     with pytest.raises(DatasetError, match="every sample is longer"):
         TokenDataset(p, max_seq_len=0, overlong="drop")
+
+
+def test_stream_cut_at_a_batch_boundary_is_named(tmp_path):
+    """pyarrow reads such a stream without error, minus its tail; the missing
+    end-of-stream marker gives it away."""
+    whole = write_stream(tmp_path / "whole.arrow", table(), chunk=2).read_bytes()
+    src = pa.BufferReader(whole)
+    reader = pa.ipc.open_stream(src)
+    reader.read_next_batch()
+    reader.read_next_batch()
+    (tmp_path / "cut.arrow").write_bytes(whole[:src.tell()])
+    assert pa.ipc.open_stream(pa.BufferReader(whole[:src.tell()])).read_all().num_rows == 4
+    with pytest.raises(DatasetError, match=r"cut\.arrow: Arrow stream cut short after 4 rows"):
+        TokenDataset(tmp_path / "cut.arrow")
+    (tmp_path / "half.arrow").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(DatasetError, match=r"half\.arrow: not an Arrow IPC stream or file, or cut short"):
+        TokenDataset(tmp_path / "half.arrow")
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1 but not really")
+    with pytest.raises(DatasetError, match=r"junk\.parquet: not a readable parquet file"):
+        TokenDataset(tmp_path / "junk.parquet")
+
+
+def trainable(tmp_path, ids, masks, **kw) -> bool:
+    ds = TokenDataset(write_stream(tmp_path / "t.arrow", table(ids=ids, masks=masks), chunk=2), **kw)
+    try:
+        ds.check_trainable()
+    except DatasetError as e:
+        assert "t.arrow: nothing to learn" in str(e)
+        return False
+    return True
+
+
+def test_check_trainable_counts_only_anchors_the_loss_can_use(tmp_path):
+    ids = [np.arange(2, 8), np.arange(2, 8), np.arange(2, 12)]
+    # Each sample ends or starts supervised, so a pair straddles two samples: not an anchor.
+    m = [np.array([0, 0, 0, 0, 0, 1]), np.array([1, 0, 1, 0, 1, 0]), np.array([0, 1, 0, 0, 0, 0, 0, 0, 1, 1])]
+    assert trainable(tmp_path, ids, m)          # the last sample's final pair
+    assert not trainable(tmp_path, ids, m, max_seq_len=8)                   # truncated away
+    assert not trainable(tmp_path, ids, m, max_seq_len=8, overlong="drop")  # dropped
+    assert trainable(tmp_path, ids[:2] + [ids[2][:6]], m[:2] + [np.array([0, 0, 1, 1, 0, 0])], max_seq_len=8)
+    assert not trainable(tmp_path, ids, [np.zeros(len(s), np.int8) for s in ids])
+    assert not trainable(tmp_path, [np.array([5])] * 3, [np.ones(1, np.int8)] * 3)
+    assert not trainable(tmp_path, [np.array([5])] * 3, None)
+    assert trainable(tmp_path, [np.array([5]), np.array([5, 6])], None)
+
+
+def test_check_trainable_bool_masks(tmp_path):
+    ids = [np.arange(2, 8), np.arange(2, 8)]
+    t = table(ids=ids, masks=[np.array([1, 0, 1, 0, 1, 1]), np.zeros(6)], mask_type=pa.bool_())
+    TokenDataset(write_stream(tmp_path / "b.arrow", t, chunk=1)).check_trainable()
+    # The only supervised pair straddles the two samples (one chunk: no row boundary in the values).
+    t = table(ids=ids, masks=[np.array([1, 0, 1, 0, 0, 1]), np.array([1, 0, 0, 0, 0, 1])], mask_type=pa.bool_())
+    with pytest.raises(DatasetError, match=r"b2\.arrow: nothing to learn: no sample has 2 consecutive loss_mask=1"):
+        TokenDataset(write_stream(tmp_path / "b2.arrow", t)).check_trainable()
