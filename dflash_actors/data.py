@@ -292,7 +292,8 @@ class TokenDataset:
             used = np.zeros(self._chunk_rows[-1], np.int32)
             used[self._kept] = self.lengths
         for c, chunk in enumerate(self._chunks):
-            if self._has_anchor(chunk, used[self._chunk_rows[c]:self._chunk_rows[c + 1]]):
+            rows = used[self._chunk_rows[c]:self._chunk_rows[c + 1]]
+            if rows.max(initial=0) >= 2 and self._has_anchor(chunk, rows):   # dropped samples: unread
                 return
         raise DatasetError(f"{self.path}: nothing to learn: no sample has 2 consecutive loss_mask=1 positions "
                            "(an anchor needs loss_mask[a] = loss_mask[a+1] = 1)")

@@ -1,0 +1,259 @@
+"""The bad-input corpus: every case exits 2 with exactly one line on stderr, starting
+``error: ``, that names the file or the config key (and the row or value where there is
+one), before anything spawns; the run directory is not written and no input file is
+changed. ``test_launch_errors`` holds the first cases; these are the rest."""
+
+import hashlib
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from support.pipeline import ROOT, SMALL
+
+import launch
+from dflash_actors.checkpoint import save_checkpoint
+from dflash_actors.config import dump_config, load_config
+from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.head import load_head
+from dflash_actors.synthetic import flatten, write_token_dataset
+
+IDS = [np.arange(2, 40), np.arange(5, 35), np.arange(7, 47)]   # 38, 30 and 40 tokens
+
+
+def ids_table(ids=IDS, masks=None) -> pa.Table:
+    cols = {"input_ids": pa.array([list(map(int, s)) for s in ids], pa.list_(pa.int32()))}
+    if masks is not None:
+        cols["loss_mask"] = pa.array([list(map(int, m)) for m in masks], pa.list_(pa.int8()))
+    return pa.table(cols)
+
+
+def stream_bytes(t: pa.Table, rows_per_batch: int = 1) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, t.schema) as w:
+        for b in t.to_batches(max_chunksize=rows_per_batch):
+            w.write_batch(b)
+    return sink.getvalue().to_pybytes()
+
+
+def dataset_dir(path, ids, masks=None, **kw):
+    offsets, flat = flatten([np.asarray(s) for s in ids])
+    return write_token_dataset(path, offsets, flat, None if masks is None else flatten(
+        [np.asarray(m, np.int8) for m in masks])[1], **kw)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Every bad file of the corpus, keyed by the placeholder the cases use."""
+    d = tmp_path_factory.mktemp("bad-inputs")
+    ones = [np.ones(len(s), np.int8) for s in IDS]
+    good = stream_bytes(ids_table(masks=ones))
+    (d / "truncated.arrow").write_bytes(good[:len(good) // 2])
+    # Cut exactly after the first record batch: pyarrow reads the rest as a whole stream.
+    src = pa.BufferReader(good)
+    reader = pa.ipc.open_stream(src)
+    reader.read_next_batch()
+    (d / "cut.arrow").write_bytes(good[:src.tell()])
+    (d / "random.arrow").write_bytes(np.random.default_rng(0).bytes(4096))
+    (d / "random.parquet").write_bytes(np.random.default_rng(1).bytes(4096))
+    (d / "tokens.txt").write_text("1 2 3\n")
+    (d / "no_ids.arrow").write_bytes(stream_bytes(pa.table({"tokens": pa.array([[1, 2, 3]])})))
+    (d / "scalar_ids.arrow").write_bytes(stream_bytes(pa.table({"input_ids": pa.array([3, 4, 5], pa.int64())})))
+    (d / "float_ids.arrow").write_bytes(stream_bytes(pa.table({"input_ids": pa.array([[2.0, 3.5, 4.0]])})))
+    (d / "null_row.arrow").write_bytes(stream_bytes(pa.table(
+        {"input_ids": pa.array([[2, 3, 4], None, [5, 6]], pa.list_(pa.int32()))})))
+    (d / "seq_len.arrow").write_bytes(stream_bytes(pa.table(
+        {"input_ids": ids_table().column("input_ids"), "seq_len": pa.array([38, 31, 40], pa.int64())})))
+    short = [m.copy() for m in ones]
+    short[2] = short[2][:-1]
+    (d / "mask_len.arrow").write_bytes(stream_bytes(ids_table(masks=short)))
+    dataset_dir(d / "empty_sample", [IDS[0], np.zeros(0, np.int64), IDS[2]])
+    dataset_dir(d / "negative", [IDS[0], np.array([4, -5, 6]), IDS[2]], [ones[0], np.ones(3), ones[2]])
+    two = [m.copy() for m in ones]
+    two[1][3] = 2
+    dataset_dir(d / "mask_two", IDS, two)
+    (d / "empty_ds.arrow").write_bytes(stream_bytes(ids_table(ids=[], masks=[])))
+    dataset_dir(d / "zero_mask", IDS, [np.zeros(len(s), np.int8) for s in IDS])
+    # Supervised tokens, but never two in a row: still no anchor.
+    dataset_dir(d / "alternating", IDS, [np.arange(len(s)) % 2 for s in IDS])
+    # Supervised only from token 10 on: nothing left once samples are cut to 8 tokens.
+    dataset_dir(d / "late_mask", IDS, [np.arange(len(s)) >= 10 for s in IDS])
+    dataset_dir(d / "one_token", [np.array([5]), np.array([9]), np.array([7])], [np.ones(1)] * 3)
+    (d / "one_token_no_mask.arrow").write_bytes(stream_bytes(ids_table(ids=[[5], [9], [7]])))
+    missing = dataset_dir(d / "missing_shard", IDS, ones, num_shards=2)
+    (missing / "data-00001-of-00002.arrow").unlink()
+    bad_state = dataset_dir(d / "bad_state", IDS, ones)
+    (bad_state / "state.json").write_text("{not json")
+    (d / "no_files").mkdir()
+    (d / "no_files" / "README.md").write_text("the data went elsewhere\n")
+    (d / "mixed").mkdir()
+    (d / "mixed" / "a.arrow").write_bytes(stream_bytes(ids_table(masks=ones)))
+    (d / "mixed" / "b.arrow").write_bytes(stream_bytes(ids_table()))
+    yaml_files = {
+        "syntax_yaml": "train: {lr: [\n",
+        "unknown_yaml": "train:\n  learning_rate: 0.1\n",
+        "type_yaml": "train:\n  grad_accum: two\n",
+        "section_yaml": "batching: 5\n",
+        "list_yaml": "- train\n- data\n",
+        "empty_yaml": "",
+        "comments_yaml": "# nothing set here\n",
+        "nan_yaml": "train:\n  weight_decay: .nan\n",
+        "empty_path_yaml": "data:\n  path: ''\n",
+    }
+    for name, text in yaml_files.items():
+        (d / f"{name}.yaml").write_text(text)
+    (d / "binary_yaml.yaml").write_bytes(b"\xff\xfe\x00\x81" + np.random.default_rng(2).bytes(256))
+    # Targets: a random one over the synthetic data's 256 ids, so that no case waits for
+    # the tiny target's fit, and one whose vocabulary is smaller than the data's ids.
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=256, **shape)).save_pretrained(d / "target")
+    Qwen3Config(vocab_size=64, **shape).save_pretrained(d / "small_vocab")
+    return d
+
+
+CASES = {
+    # dataset files
+    "truncated arrow": (["--set", "data.path={d}/truncated.arrow"], ["{d}/truncated.arrow", "cut short"]),
+    "arrow cut at a batch boundary": (["--set", "data.path={d}/cut.arrow"],
+                                      ["{d}/cut.arrow", "cut short after 1 rows"]),
+    "random-bytes arrow": (["--set", "data.path={d}/random.arrow"], ["{d}/random.arrow", "not an Arrow IPC"]),
+    "random-bytes parquet": (["--set", "data.path={d}/random.parquet"],
+                             ["{d}/random.parquet", "not a readable parquet"]),
+    "not a data file": (["--set", "data.path={d}/tokens.txt"], ["{d}/tokens.txt", "expected a save_to_disk"]),
+    "missing input_ids": (["--set", "data.path={d}/no_ids.arrow"], ["{d}/no_ids.arrow", "missing column 'input_ids'"]),
+    "non-list column": (["--set", "data.path={d}/scalar_ids.arrow"],
+                        ["{d}/scalar_ids.arrow", "'input_ids' must be a list of integers (got int64)"]),
+    "float token ids": (["--set", "data.path={d}/float_ids.arrow"],
+                        ["{d}/float_ids.arrow", "must hold integers (got list<double>)"]),
+    "null sample": (["--set", "data.path={d}/null_row.arrow"], ["{d}/null_row.arrow", "row 1: input_ids is null"]),
+    "seq_len disagrees": (["--set", "data.path={d}/seq_len.arrow"],
+                          ["{d}/seq_len.arrow", "row 1: seq_len says 31 but input_ids has 30"]),
+    "loss_mask length": (["--set", "data.path={d}/mask_len.arrow"],
+                         ["{d}/mask_len.arrow", "row 2: input_ids has 40 tokens but loss_mask has 39"]),
+    "empty sample": (["--set", "data.path={d}/empty_sample"], ["data-00000-of-00001.arrow", "row 1: empty sample"]),
+    "negative token id": (["--set", "data.path={d}/negative"],
+                          ["{d}/negative/data-00000-of-00001.arrow", "row 1: input_ids value -5 outside [0, "]),
+    "loss_mask not 0 or 1": (["--set", "data.path={d}/mask_two"],
+                             ["{d}/mask_two/data-00000-of-00001.arrow", "row 1: loss_mask value 2 not 0 or 1"]),
+    "empty dataset": (["--set", "data.path={d}/empty_ds.arrow"], ["{d}/empty_ds.arrow", "has no samples"]),
+    "all-zero loss masks": (["--set", "data.path={d}/zero_mask"],
+                            ["{d}/zero_mask", "nothing to learn", "2 consecutive loss_mask=1"]),
+    "no two supervised tokens in a row": (["--set", "data.path={d}/alternating"],
+                                          ["{d}/alternating", "nothing to learn"]),
+    "one-token samples": (["--set", "data.path={d}/one_token"], ["{d}/one_token", "nothing to learn"]),
+    "one-token samples, no loss_mask": (["--set", "data.path={d}/one_token_no_mask.arrow"],
+                                        ["{d}/one_token_no_mask.arrow", "nothing to learn: every sample is 1 token"]),
+    "anchors only past max_seq_len": (["--set", "data.path={d}/late_mask", "--set", "data.max_seq_len=8"],
+                                      ["{d}/late_mask", "nothing to learn"]),
+    "every sample dropped": (["--set", "data.path={d}/mixed/a.arrow", "--set", "data.max_seq_len=16",
+                              "--set", "data.overlong=drop"],
+                             ["{d}/mixed/a.arrow", "every sample is longer than max_seq_len=16"]),
+    "state.json names a missing shard": (["--set", "data.path={d}/missing_shard"],
+                                         ["{d}/missing_shard/data-00001-of-00002.arrow",
+                                          "listed in state.json but missing"]),
+    "unreadable state.json": (["--set", "data.path={d}/bad_state"],
+                              ["{d}/bad_state/state.json", "unreadable save_to_disk state"]),
+    "directory without data files": (["--set", "data.path={d}/no_files"],
+                                     ["{d}/no_files", "no .arrow or .parquet shards"]),
+    "loss_mask in some shards only": (["--set", "data.path={d}/mixed"],
+                                      ["{d}/mixed/b.arrow", "loss_mask present in some shards but not others"]),
+    "--set data.path= (empty)": (["--set", "data.path="], ["data.path", "empty value"]),
+    "--set data.path='' (empty string)": (["--set", "data.path=''"], ["data.path", "must not be empty"]),
+    "data.path '' in YAML": (["--config", "{d}/empty_path_yaml.yaml"], ["data.path", "must not be empty"]),
+    # the YAML config file
+    "YAML syntax error": (["--config", "{d}/syntax_yaml.yaml"], ["{d}/syntax_yaml.yaml", "not valid YAML"]),
+    "unknown key in YAML": (["--config", "{d}/unknown_yaml.yaml"], ["train.learning_rate: unknown key"]),
+    "wrong type in YAML": (["--config", "{d}/type_yaml.yaml"], ["train.grad_accum: must be int (got 'two')"]),
+    "section given a value": (["--config", "{d}/section_yaml.yaml"], ["batching: must be a mapping (got 5)"]),
+    "top level not a mapping": (["--config", "{d}/list_yaml.yaml"], ["{d}/list_yaml.yaml", "mapping at top level"]),
+    "empty config file": (["--config", "{d}/empty_yaml.yaml"], ["{d}/empty_yaml.yaml", "is empty"]),
+    "config of comments only": (["--config", "{d}/comments_yaml.yaml"], ["{d}/comments_yaml.yaml", "is empty"]),
+    "binary config file": (["--config", "{d}/binary_yaml.yaml"], ["{d}/binary_yaml.yaml", "not UTF-8"]),
+    "missing config file": (["--config", "{d}/nowhere.yaml"], ["{d}/nowhere.yaml", "file not found"]),
+    # numbers that are not finite
+    "lr infinite": (["--set", "train.lr=.inf"], ["train.lr: must be a finite number (got inf)"]),
+    "lr NaN": (["--set", "train.lr=.nan"], ["train.lr: must be a finite number (got nan)"]),
+    "lr 'inf' as text": (["--set", "train.lr=inf"], ["train.lr: must be a finite number (got inf)"]),
+    "hang timeout infinite": (["--set", "runtime.hang_timeout_s=.inf"], ["runtime.hang_timeout_s", "(got inf)"]),
+    "gamma infinite (an optional float)": (["--set", "train.gamma=.inf"],
+                                           ["train.gamma: must be a finite number (got inf)"]),
+    "simulated tflops infinite": (["--set", "runtime.simulate.tflops=.inf"], ["runtime.simulate.tflops", "(got inf)"]),
+    "NaN in YAML": (["--config", "{d}/nan_yaml.yaml"], ["train.weight_decay: must be a finite number (got nan)"]),
+    # run setup and target
+    "more drafter GPUs than exist": (["--set", "topology.drafter_devices=[cuda:{cuda}]"],
+                                     ["topology.drafter_devices", "cuda:{cuda}"]),
+    "--run-dir and --resume differ": (["--resume", "{d}/elsewhere"], ["--run-dir and --resume"]),
+    "missing target directory": (["--set", "target.path={d}/no_target"], ["target.path", "{d}/no_target"]),
+    "empty target path": (["--set", "target.path=''"], ["target.path", "must not be empty"]),
+    "target vocabulary smaller than the data": (["--set", "target.path={d}/small_vocab"],
+                                                ["data-00000-of-00001.arrow: row ", "outside [0, 64)"]),
+}
+
+
+def snapshot(root) -> dict:
+    """Every file under ``root`` with a digest of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def launch_bad(argv: list[str], inputs, cache_dir, capsys) -> str:
+    """Run launch in-process on the small config, the random target and ``argv`` (last,
+    so that it wins); assert exit 2 and one ``error: `` line, and return it."""
+    common = []
+    for kv in SMALL + [f"data.cache_dir={cache_dir}", f"target.path={inputs}/target"]:
+        common += ["--set", kv]
+    assert launch.main(common + argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_names_it_and_writes_nothing(case, inputs, cache_dir, tmp_path, capsys):
+    argv, expected = CASES[case]
+    values = {"d": inputs, "cuda": max(3, torch.cuda.device_count())}
+    argv = [a.format(**values) for a in argv]
+    run_dir = tmp_path / "run"
+    before = snapshot(inputs)
+    line = launch_bad(["--run-dir", str(run_dir), *argv], inputs, cache_dir, capsys)
+    for text in expected:
+        assert text.format(**values) in line, line
+    assert not run_dir.exists()
+    assert snapshot(inputs) == before
+
+
+@pytest.fixture(scope="module")
+def resumable(inputs, cache_dir, tmp_path_factory):
+    """A run directory as a job with ``train.lr=0.01`` leaves it: its config.yaml and a
+    checkpoint (a real drafter, the trainer state naming that config)."""
+    run_dir = tmp_path_factory.mktemp("resumable") / "run"
+    saved = load_config(ROOT / "configs/default.yaml", SMALL + [
+        f"data.cache_dir={cache_dir}", f"target.path={inputs}/target", f"runtime.run_dir={run_dir}", "train.lr=0.01"])
+    drafter = build_drafter(saved, load_head(saved))
+    save_checkpoint(run_dir, 1, drafter.save_pretrained,
+                    {"step": 1, "config": saved.to_dict(), "optimizer": None})
+    (run_dir / "config.yaml").write_text(dump_config(saved))
+    return run_dir
+
+
+def test_resume_that_changes_the_math_is_refused(resumable, inputs, cache_dir, capsys):
+    before = snapshot(resumable)
+    line = launch_bad(["--resume", str(resumable), "--set", "train.lr=0.002"], inputs, cache_dir, capsys)
+    assert "resume refused" in line and "train.lr: 0.01 -> 0.002" in line, line
+    after = snapshot(resumable)
+    # The run-directory lock (rundir.RunDirLock) is the one file a refused job may leave.
+    after.pop(".lock", None)
+    assert after == before
+
+
+def test_corpus_is_not_vacuous(inputs):
+    """The files are what the cases say: pyarrow itself reads the cut stream without
+    error (only our end-of-stream check catches it), and the small-vocabulary target
+    really is one."""
+    cut = pa.ipc.open_stream(pa.BufferReader((inputs / "cut.arrow").read_bytes())).read_all()
+    assert cut.num_rows == 1
+    assert json.loads((inputs / "small_vocab" / "config.json").read_text())["vocab_size"] == 64
