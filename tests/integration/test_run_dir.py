@@ -3,6 +3,7 @@ anything is written, and resumes that build on the run's own config.yaml and pas
 damaged checkpoints."""
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -19,7 +20,8 @@ from support.runtime import all_gone
 
 import launch
 from dflash_actors import pipeline
-from dflash_actors.checkpoint import checkpoint_problem, latest_checkpoint, list_checkpoints, save_checkpoint
+from dflash_actors.actors.optimizer import RollbackRequired
+from dflash_actors.checkpoint import MANIFEST, checkpoint_problem, latest_checkpoint, list_checkpoints, save_checkpoint
 from dflash_actors.config import dump_config
 from dflash_actors.models.drafter import WEIGHTS
 from dflash_actors.reference import train_reference
@@ -197,7 +199,7 @@ def test_a_full_disk_at_the_final_checkpoint_exits_1_keeping_the_previous(killed
     def disk_full(run_dir, step, write_drafter, trainer_state):
         def write_then_fail(d):
             write_drafter(d)
-            raise OSError(28, os.strerror(28))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return save_checkpoint(run_dir, step, write_then_fail, trainer_state)
 
     monkeypatch.setattr(job, "_attempt", one_step)
@@ -212,6 +214,45 @@ def test_a_full_disk_at_the_final_checkpoint_exits_1_keeping_the_previous(killed
     relock = RunDirLock(run_dir)
     relock.acquire()        # run released it
     relock.release()
+
+
+def test_a_rollback_passes_over_a_damaged_checkpoint(killed_run, cache_dir, tmp_path, monkeypatch, capsys):
+    """The attempts are stood in for (no actors): the first ends needing a rollback,
+    by which time the newest checkpoint has been damaged; the job rolls back past it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_run[0], run_dir)
+    *_, previous, newest = list_checkpoints(run_dir)
+    job = pipeline.Job(small_config(cache_dir, run_dir, "1-1", *FAST), resume=True, progress=False)
+    assert job.start.checkpoint == newest
+    results = [JobResult(JobState.FAILED, "stopped", raised=RollbackRequired("optimizer state inconsistent")),
+               JobResult(JobState.DONE, "finished")]
+
+    def attempt():
+        if len(results) == 2:
+            flip_data_byte(newest / WEIGHTS)
+        return results.pop(0)
+    monkeypatch.setattr(job, "_attempt", attempt)
+    assert job.run().exit_code == 0
+    assert job.start.checkpoint == previous and job.shared.weights.version == int(previous.name.split("-")[1])
+    events = [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines()]
+    assert [e["to"] for e in events if e["event"] == "rollback"] == [previous.name]
+    err = capsys.readouterr().err.splitlines()
+    assert f"skipping checkpoint {newest.name}: {WEIGHTS} does not match its checksum; " \
+           f"resuming from {previous.name}" in err, err
+
+
+def test_a_checkpoint_from_before_manifests_is_resumed_with_a_warning(killed_run, cache_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_run[0], run_dir)
+    for ckpt in list_checkpoints(run_dir):
+        (ckpt / MANIFEST).unlink()
+    newest = list_checkpoints(run_dir)[-1]
+    job = pipeline.Job(small_config(cache_dir, run_dir, "1-1", *FAST), resume=True, progress=False)
+    job.lock.release()
+    assert job.start.checkpoint == newest
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"warning: checkpoint {newest.name} has no {MANIFEST} (written before checksums); "
+                   "resuming from it unverified"], err
 
 
 def test_unusable_run_dirs_exit_2_writing_nothing(cache_dir, tmp_path):
