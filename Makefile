@@ -28,8 +28,11 @@ test: setup
 slow: setup
 	$(PY) -m pytest -q -m "slow" tests
 
+# Many kills in one run, then the suite of chaotic 2-2 runs compared bit for bit with a
+# clean one (one JSON line; about 15 minutes here).
 chaos: setup
 	$(PY) -m pytest -q -m "chaos" tests
+	$(PY) -m benchmarks.chaos_suite
 
 bench: setup
 	$(PY) -m benchmarks.run_all

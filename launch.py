@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from dflash_actors.config import DEFAULT_CONFIG, add_config_args, config_from_args
 
@@ -27,6 +28,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="validate config and data, print the first epoch's plan, and exit")
     ap.add_argument("--devices", type=int, metavar="K",
                     help="with --topology auto: devices to split (default: the GPUs here, or 2 without any)")
+    ap.add_argument("--chaos", type=int, metavar="SEED",
+                    help="inject random faults (kills, exits, exceptions, segfaults, hangs, slow work) into "
+                         "every actor, seeded; the run must still end as a clean one would (runtime.faults)")
+    ap.add_argument("--chaos-faults", type=int, default=10, metavar="N", help="with --chaos: how many (default 10)")
     # --config left out reads as None (the help still shows the default), so that a
     # resume can tell "not given" from "given the default".
     return ap.parse_args(argv, argparse.Namespace(config=None))
@@ -46,18 +51,53 @@ def auto_topology(args: argparse.Namespace, overrides: list[str]) -> str:
     return topology
 
 
+def keep_batches_per_step(args: argparse.Namespace, cfg, run_dir: list[str]):
+    """A resume on another number of drafters keeps the run's batches per step by
+    adapting ``train.grad_accum``, unless ``--set train.grad_accum`` says otherwise."""
+    import yaml
+
+    from dflash_actors.checkpoint import adapt_grad_accum
+    from dflash_actors.rundir import SAVED_CONFIG
+    saved = Path(args.resume) / SAVED_CONFIG
+    if not saved.is_file() or any(o.partition("=")[0].strip() == "train.grad_accum" for o in args.overrides):
+        return cfg
+    accum = adapt_grad_accum(yaml.safe_load(saved.read_text()), cfg.topology.num_drafters)
+    if accum is None or accum == cfg.train.grad_accum:
+        return cfg
+    return config_from_args(args, *run_dir, f"train.grad_accum={accum}")
+
+
+def with_chaos(args: argparse.Namespace, cfg, run_dir: list[str]):
+    """``--chaos SEED``: ``--chaos-faults`` random faults over the run's batches."""
+    from dflash_actors.chaos import chaos_faults, faults_override
+    from dflash_actors.preflight import preflight
+    from dflash_actors.schedule import Schedule
+    if args.chaos_faults < 1:
+        raise ValueError(f"--chaos-faults: must be >= 1 (got {args.chaos_faults})")
+    total = Schedule.from_config(cfg, preflight(cfg, progress=False).dataset.lengths).total_batches
+    faults = chaos_faults(cfg, args.chaos, args.chaos_faults, total)
+    print(f"--chaos {args.chaos}: {len(faults)} faults: "
+          + ", ".join(f"{f['actor']} {f['kind']} at {f['at']} of batch {f['at_batch']}" for f in faults),
+          file=sys.stderr)
+    return config_from_args(args, *run_dir, faults_override(faults))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # The job reports progress itself (status.json, the summary); model-loading bars from
     # transformers would only interleave with it.
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    if args.run_dir and args.resume and args.run_dir != args.resume:
+    if args.run_dir is not None and args.resume is not None and args.run_dir != args.resume:
         print("error: --run-dir and --resume name different directories", file=sys.stderr)
         return 2
-    run_dir = [f"runtime.run_dir={args.resume or args.run_dir}"] if args.run_dir or args.resume else []
+    given = args.resume if args.resume is not None else args.run_dir
+    # An empty --run-dir/--resume goes to the config check, which refuses it by name.
+    run_dir = [f"runtime.run_dir='{given.replace(chr(39), chr(39) * 2)}'"] if given is not None else []
     try:
-        if args.resume:
+        if args.resume == "":
+            raise ValueError("--resume: needs the run directory to continue (got an empty path)")
+        if args.resume is not None:
             from dflash_actors.rundir import resume_config
             args.config = resume_config(args.resume, args.config)
         args.config = args.config or str(DEFAULT_CONFIG)
@@ -66,6 +106,10 @@ def main(argv=None) -> int:
         elif args.devices is not None:
             raise ValueError("--devices: only with --topology auto")
         cfg = config_from_args(args, *run_dir)
+        if args.resume is not None:
+            cfg = keep_batches_per_step(args, cfg, run_dir)
+        if args.chaos is not None:
+            cfg = with_chaos(args, cfg, run_dir)
         if args.plan_only:
             from dflash_actors.preflight import preflight
             pre = preflight(cfg)

@@ -39,19 +39,15 @@ HANG_AFFORDABLE_S = 20.0
 """A hang costs ``hang_timeout_s`` of a stalled stage: chaos only injects one when cheap."""
 
 
-def actor_ids(cfg) -> list[str]:
-    top = cfg.topology
-    return (["loader.0"] + [f"target.{i}" for i in range(top.num_targets)]
-            + [f"drafter.{j}" for j in range(top.num_drafters)] + ["optimizer.0"])
-
-
 def chaos_faults(cfg, seed: int, n: int, total_batches: int) -> list[dict]:
     """``n`` random faults (``runtime.faults`` entries) over ``[0, total_batches)``."""
+    from .wiring import actor_classes
     rng = random.Random(seed)
+    actors = sorted(actor_classes(cfg))
     kinds = [k for k in ENDING_KINDS if k != "hang" or cfg.runtime.hang_timeout_s <= HANG_AFFORDABLE_S]
     out = []
     for _ in range(n):
-        actor = rng.choice(actor_ids(cfg))
+        actor = rng.choice(actors)
         kind = rng.choice(kinds)
         points = ["work"] if kind == "slow" else ["work", "commit"]
         if actor == "optimizer.0" and kind != "slow":

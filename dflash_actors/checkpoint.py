@@ -40,8 +40,8 @@ _TMP_DIR = re.compile(r"^\.tmp-step-\d+-(\d+)$")
 
 # Keys that may change between a run and its resume without changing the math.
 RESUME_FREE = ("runtime.", "topology.num_targets", "topology.target_devices",
-               "topology.drafter_devices", "train.checkpoint_every", "data.cache_dir", "target.self_check",
-               "eval.")
+               "topology.drafter_devices", "train.checkpoint_every", "train.max_bad_steps", "data.cache_dir",
+               "target.self_check", "eval.")
 NOT_FREE = ("runtime.simulate.",)
 """Exceptions to RESUME_FREE: simulated gradients are not the real ones."""
 
@@ -262,11 +262,14 @@ def trainer_state(cfg, schedule, store, version: int) -> dict:
 
     No RNG state is saved because none is carried: every random choice is derived from
     ``(train.seed, epoch, batch id, row)``, so the next batch id is all a resume needs.
+    ``batches_applied`` is the store's count of the batches the steps consumed (checked
+    per step, carried across resumes): equal to ``next_batch`` when none was lost or
+    trained twice.
     """
     exp_avg, exp_avg_sq = (t.clone() for t in store.moments_flat(version))
     return {
         "step": version, "epoch": schedule.epoch_of_step(version), "next_batch": schedule.first_of_step(version),
-        "total_steps": schedule.total_steps,
+        "total_steps": schedule.total_steps, "batches_applied": store.applied(version),
         "optimizer": {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_names": list(store.layout.names),
                       "adam_step": version},
         "scheduler": {"last_epoch": version},
@@ -285,17 +288,57 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+PER_STEP = "batches per step (train.grad_accum * topology.num_drafters)"
+"""What a step consumes: the math's unit. A resume may trade drafters for accumulation
+(2 drafters x 1 batch = 1 drafter x 2 batches) with the same data order and optimizer
+state; only the order in which the gradient sum is added up changes."""
+
+
+def _per_step(flat: dict):
+    ga, m = flat.get("train.grad_accum"), flat.get("topology.num_drafters")
+    return ga * m if ga is not None and m is not None else None
+
+
 def math_changes(saved: dict, current: dict) -> list[str]:
     """Config keys whose change would make a resumed run differ from an uninterrupted one."""
     a, b = _flatten(saved), _flatten(current)
+    a[PER_STEP], b[PER_STEP] = _per_step(a), _per_step(b)
     keys = sorted(set(a) | set(b))
-    return [k for k in keys if a.get(k) != b.get(k) and (not k.startswith(RESUME_FREE) or k.startswith(NOT_FREE))]
+    return [k for k in keys if a.get(k) != b.get(k) and k not in ("train.grad_accum", "topology.num_drafters")
+            and (not k.startswith(RESUME_FREE) or k.startswith(NOT_FREE))]
+
+
+def drafter_change(saved: dict, current: dict) -> str | None:
+    """The one line a resume on another number of drafters prints (None: same number)."""
+    a, b = _flatten(saved), _flatten(current)
+    m0, m1 = a.get("topology.num_drafters"), b.get("topology.num_drafters")
+    if m0 == m1:
+        return None
+    return (f"resuming a run of {m0} drafter(s) on {m1}: train.grad_accum {a.get('train.grad_accum')} -> "
+            f"{b.get('train.grad_accum')} keeps {_per_step(b)} batches per step and the data order; the "
+            "gradients are summed in another order, so the result matches an uninterrupted run within "
+            "float tolerance, not bit for bit")
+
+
+def adapt_grad_accum(saved: dict, num_drafters: int) -> int | None:
+    """The ``train.grad_accum`` that keeps a saved run's batches per step on
+    ``num_drafters`` drafters (None: the same count as saved, nothing to adapt);
+    ValueError if that many drafters cannot split a step evenly."""
+    a = _flatten(saved)
+    per_step = _per_step(a)
+    if per_step is None or a.get("topology.num_drafters") == num_drafters:
+        return None
+    if per_step % num_drafters:
+        raise ResumeError(f"topology: the run's steps hold {per_step} batches each, which {num_drafters} drafters "
+                          f"cannot share evenly; resume on a drafter count that divides {per_step}")
+    return per_step // num_drafters
 
 
 def check_resumable(saved_config: dict, current_config: dict) -> None:
     changed = math_changes(saved_config, current_config)
     if changed:
-        shown = ", ".join(f"{k}: {_flatten(saved_config).get(k)!r} -> {_flatten(current_config).get(k)!r}"
-                          for k in changed[:4])
+        a, b = _flatten(saved_config), _flatten(current_config)
+        a[PER_STEP], b[PER_STEP] = _per_step(a), _per_step(b)
+        shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:4])
         more = f" (+{len(changed) - 4} more)" if len(changed) > 4 else ""
         raise ResumeError(f"resume refused: the config changes the math ({shown}{more})")

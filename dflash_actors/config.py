@@ -154,6 +154,10 @@ class TrainConfig:
     """Optimizer steps between checkpoints; 0 = only at the end and on signals."""
     num_threads: int = checked(1, at_least(1))
     """torch intra-op threads, the same in every actor and the reference (bit-identity)."""
+    max_bad_steps: int = checked(3, at_least(0))
+    """Steps in a row whose loss or gradient is not finite that are skipped (each one
+    logged) before the job stops; its final checkpoint then holds the weights from
+    before the first of them, which skipped steps leave untouched."""
 
 
 @dataclass(frozen=True)
@@ -375,4 +379,5 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, *extra: str) -> Config:
     """The config ``add_config_args`` describes, with ``extra`` overrides applied last."""
-    return load_config(args.config, [*args.overrides, *extra], topology=args.topology)
+    # None: --config not given (launch.py tells that apart from the default for --resume).
+    return load_config(args.config or DEFAULT_CONFIG, [*args.overrides, *extra], topology=args.topology)

@@ -7,6 +7,11 @@ buffer and only then stores ``version = v+1``::
     weights     [2, P] f32   buffer v%2 = weights after v optimizer steps
     exp_avg     [2, P] f32   AdamW first moment   (same buffer rule)
     exp_avg_sq  [2, P] f32   AdamW second moment
+    applied     [2]  int64   batches the steps up to this version consumed, each counted
+                             by its drafter's sum (a skipped step consumes its batches
+                             too); same buffer rule; carried across resumes by checkpoints,
+                             so a run that trained every batch exactly once ends with it
+                             equal to its batch count
     version     [1]  int64   commit point; written last, by the optimizer only
 
 A killed optimizer leaves at worst a half-written *inactive* buffer, which its
@@ -78,17 +83,19 @@ def _shared(*shape, dtype=torch.float32) -> torch.Tensor:
 class WeightStore:
     """Double-buffered weights + AdamW moments with a version commit point."""
 
-    def __init__(self, layout: ParamLayout, weights, exp_avg, exp_avg_sq, version):
+    def __init__(self, layout: ParamLayout, weights, exp_avg, exp_avg_sq, version, applied):
         self.layout = layout
         self.weights, self.exp_avg, self.exp_avg_sq, self.version_t = weights, exp_avg, exp_avg_sq, version
+        self.applied_t = applied
 
     @classmethod
     def allocate(cls, layout: ParamLayout) -> "WeightStore":
         P = layout.numel
-        return cls(layout, _shared(2, P), _shared(2, P), _shared(2, P), _shared(1, dtype=torch.int64))
+        return cls(layout, _shared(2, P), _shared(2, P), _shared(2, P), _shared(1, dtype=torch.int64),
+                   _shared(2, dtype=torch.int64))
 
     def __getstate__(self):
-        return (self.layout, self.weights, self.exp_avg, self.exp_avg_sq, self.version_t)
+        return (self.layout, self.weights, self.exp_avg, self.exp_avg_sq, self.version_t, self.applied_t)
 
     def __setstate__(self, state):
         self.__init__(*state)
@@ -111,6 +118,12 @@ class WeightStore:
             return f"exp_avg_sq of version {v} has negative entries"
         return None
 
+    def applied(self, version: int) -> int:
+        """How many batches the steps up to ``version`` consumed."""
+        if version != self.version:
+            raise RuntimeError(f"batch count of v{version} requested but v{self.version} is committed")
+        return int(self.applied_t[version % 2])
+
     def load_params(self, params: list[torch.Tensor], version: int) -> None:
         """Copy weights of ``version`` into ``params`` (any device)."""
         if version != self.version:
@@ -130,10 +143,12 @@ class WeightStore:
         return tuple(self.layout.views(t) for t in self.moments_flat(version))
 
     def publish(self, version: int, params: list[torch.Tensor], exp_avg: list[torch.Tensor] | None,
-                exp_avg_sq: list[torch.Tensor] | None, midway=None) -> None:
-        """Write state ``version`` into its buffer, then commit it (the version store).
-        ``midway()`` runs between the two (where an injected fault tests the commit point)."""
+                exp_avg_sq: list[torch.Tensor] | None, midway=None, applied: int = 0) -> None:
+        """Write state ``version`` (holding ``applied`` batches) into its buffer, then
+        commit it (the version store). ``midway()`` runs between the two (where an
+        injected fault tests the commit point)."""
         b = version % 2
+        self.applied_t[b] = applied
         with torch.no_grad():
             for dst, src in zip(self.layout.views(self.weights[b]), params):
                 dst.copy_(src)

@@ -40,6 +40,7 @@ from .checkpoint import (
     CheckpointError,
     ResumeError,
     check_resumable,
+    drafter_change,
     first_line,
     has_manifest,
     latest_checkpoint,
@@ -58,7 +59,7 @@ from .models.target import resolve_dtype
 from .params import ParamLayout
 from .preflight import preflight
 from .runtime.events import EventLog
-from .runtime.supervisor import JobResult, JobState, Supervisor
+from .runtime.supervisor import JobResult, JobState, Supervisor, check_faults
 from .schedule import Schedule
 from .simulate import feature_width
 
@@ -84,6 +85,8 @@ class Start:
     version: int
     moments: Optional[dict] = None
     checkpoint: Optional[Path] = None
+    applied: int = 0
+    """Batches the steps up to ``version`` consumed (``WeightStore.applied``)."""
 
 
 def load_start(cfg: Config, model: DFlashDrafter, run_dir: Path, resume: bool) -> Start:
@@ -125,8 +128,13 @@ def checkpoint_start(cfg: Config, model: DFlashDrafter, run_dir: Path) -> tuple[
               "resuming from it unverified", file=sys.stderr)
     state, weights = found.loaded
     check_resumable(state["config"], cfg.to_dict())
+    line = drafter_change(state["config"], cfg.to_dict())
+    if line:
+        print(line, file=sys.stderr)
     model.load_state_dict(weights)
-    return Start(model, int(state["step"]), state["optimizer"], found.path), found.skipped
+    # Checkpoints from before batch counting: the count a complete lineage has.
+    applied = int(state.get("batches_applied", state.get("next_batch", 0)))
+    return Start(model, int(state["step"]), state["optimizer"], found.path, applied), found.skipped
 
 
 def _load_checkpoint(ckpt: Path) -> tuple[dict, dict]:
@@ -149,6 +157,7 @@ class Job:
         self.t0 = time.perf_counter()
         self.cfg, self.run_dir, self.progress = cfg, Path(cfg.runtime.run_dir), progress
         rundir.check(self.run_dir)
+        check_faults(cfg.runtime.faults, wiring.actor_classes(cfg))
         self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
         self.target = target_info(cfg, "cpu")
         self.pre.dataset.check_values(self.target.vocab_size, progress=progress)
@@ -175,7 +184,7 @@ class Job:
         m = self.start.moments
         shared.weights.publish(self.start.version, list(self.start.model.parameters()),
                                None if m is None else self.layout.views(m["exp_avg"]),
-                               None if m is None else self.layout.views(m["exp_avg_sq"]))
+                               None if m is None else self.layout.views(m["exp_avg_sq"]), applied=self.start.applied)
         return shared
 
     def run(self) -> RunResult:

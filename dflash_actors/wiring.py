@@ -91,3 +91,10 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
               spec=OptimizerSpec(cfg, schedule, devices.drafters[0], first_step, s.weights, s.grads,
                                  s.batch_stats, s.step_stats)),
     ]
+
+
+def actor_classes(cfg: Config) -> dict[str, type]:
+    """Every actor id the job will run, with its class (what ``runtime.faults`` may name)."""
+    top = cfg.topology
+    return {"loader.0": Loader, **{f"target.{i}": Target for i in range(top.num_targets)},
+            **{f"drafter.{j}": Drafter for j in range(top.num_drafters)}, "optimizer.0": Optimizer}

@@ -11,6 +11,10 @@ Contract:
             which is what lets the supervisor send the drafters the batches of step
             s+1; only after that (``after_commit``, while the drafters work) comes the
             checkpoint of every ``train.checkpoint_every``-th version.
+            A step whose loss or summed gradient is not finite is skipped
+            (``optim.skip_step``: no update, the schedule moves on) and logged
+            (``bad_step``); more than ``train.max_bad_steps`` in a row stop the job
+            (``NonFiniteStop``) before that version is published.
   waits for nothing: its Work arrives only once the batch is GRAD_DONE.
   on restart reloads weights, AdamW moments and the schedule position from the active
             buffer. A step whose version is already committed is not redone; a step
@@ -24,6 +28,7 @@ Contract:
 from __future__ import annotations
 
 import errno
+import math
 import sys
 from dataclasses import dataclass
 
@@ -31,7 +36,7 @@ import torch
 
 from ..checkpoint import save_checkpoint, trainer_state, verified_checkpoint
 from ..config import Config
-from ..metrics import fold_step, write_step
+from ..metrics import bad_run, fold_step, write_step
 from ..models.drafter import build_drafter
 from ..models.head import target_info
 from ..optim import build_optimizer, build_scheduler, reduce_and_step, restore
@@ -43,6 +48,11 @@ from ..schedule import Schedule
 
 class RollbackRequired(Escalate):
     """The committed weights or optimizer state cannot be trusted."""
+
+
+class NonFiniteStop(Escalate):
+    """Too many steps in a row were skipped for non-finite values: restarting would
+    meet the same batches again, so the job stops (its checkpoint is the last good state)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ class OptimizerSpec:
 
 class Optimizer(Actor):
     spec: OptimizerSpec
+    FAULT_POINTS = (*Actor.FAULT_POINTS, "publish", "checkpoint")
 
     def attach(self) -> None:
         spec, store = self.spec, self.spec.weights
@@ -96,20 +107,37 @@ class Optimizer(Actor):
         with self.span("gradient read", b):
             shard_grads = []
             for j, batches in enumerate(shards):
-                if acc.last_batch(j) != batches[-1]:
-                    raise ProtocolError(f"drafter.{j}'s sum ends at batch {acc.last_batch(j)}, "
-                                        f"step {s} needs {batches[-1]}")
+                if acc.last_batch(j) != batches[-1] or acc.count(j) != len(batches):
+                    raise ProtocolError(f"drafter.{j}'s sum holds {acc.count(j)} batches ending at "
+                                        f"{acc.last_batch(j)}; step {s} needs {len(batches)} ending at {batches[-1]}")
                 shard_grads.append([g.to(self.device) for g in acc.active(j)])
         lr = self.opt.param_groups[0]["lr"]
+        stats, tokens = fold_step(self.spec.batch_stats, shards)
+        loss = stats.metrics()["loss"]
         with self.span("optimizer step", b):
             norm = reduce_and_step(self.params, shard_grads, self.opt, self.sched, sched.per_step,
-                                   self.spec.cfg.train.grad_clip)
-        stats, tokens = fold_step(self.spec.batch_stats, shards)
-        write_step(self.spec.step_stats, s, stats, lr, norm, tokens)
+                                   self.spec.cfg.train.grad_clip, loss)
+        skipped = not math.isfinite(norm)
+        write_step(self.spec.step_stats, s, stats, lr, norm, tokens, skipped)
+        if skipped:
+            self._bad_step(s, loss, norm)
         states = [self.opt.state[p] for p in self.params]
         with self.span("publish", b):
             store.publish(s + 1, self.params, [st["exp_avg"] for st in states],
-                          [st["exp_avg_sq"] for st in states])
+                          [st["exp_avg_sq"] for st in states], midway=lambda: self.fault_point("publish", b),
+                          applied=store.applied(s) + sum(acc.count(j) for j in range(sched.num_drafters)))
+
+    def _bad_step(self, s: int, loss: float, norm: float) -> None:
+        """Step s was skipped (non-finite): log it; past ``train.max_bad_steps`` in a
+        row, stop the job before publishing (its version is then the last good one's)."""
+        run = bad_run(self.spec.step_stats, s) + 1
+        limit = self.spec.cfg.train.max_bad_steps
+        self.report("bad_step", step=s, loss=str(loss), grad_norm=str(norm), in_a_row=run,
+                    reason="non-finite loss or gradient; step skipped")
+        if run > limit:
+            first = s - run + 1
+            raise NonFiniteStop(f"{run} steps in a row had a non-finite loss or gradient (steps {first}..{s}, "
+                                f"train.max_bad_steps={limit}); the weights are still those from before step {first}")
 
     def after_commit(self, w) -> None:
         sched = self.spec.schedule
@@ -135,10 +163,19 @@ class Optimizer(Actor):
             if verified_checkpoint(run_dir, version) is not None:   # hashes it: beating
                 return
             try:
-                save_checkpoint(run_dir, version, self.model.save_pretrained,
+                save_checkpoint(run_dir, version, self._drafter_writer(version),
                                 trainer_state(cfg, self.spec.schedule, self.spec.weights, version))
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 print(f"optimizer: checkpoint step-{version:07d} not written ({e.strerror}); "
                       f"training goes on, next try at step {version + every}", file=sys.stderr, flush=True)
+
+    def _drafter_writer(self, version: int):
+        """``save_pretrained``, then the ``checkpoint`` fault point: half the files written."""
+        last_batch = self.spec.schedule.first_of_step(version) - 1
+
+        def write(path) -> None:
+            self.model.save_pretrained(path)
+            self.fault_point("checkpoint", last_batch)
+        return write

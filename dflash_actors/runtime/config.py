@@ -68,6 +68,25 @@ def checked(default: Any, check=None):
 # ---------------------------------------------------------------------------
 # the runtime's section
 
+FAULT_KINDS = ("sigkill", "exit", "exception", "hang", "slow", "segfault", "nan")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """One injected fault (``runtime.faults``): when actor ``actor`` first reaches fault
+    point ``at`` with a batch id >= ``at_batch``, it fails the way ``kind`` says, once
+    per run (a replacement does not fail again). Points every actor has: ``work``
+    (before the work) and ``commit`` (after the work, before its ledger commit); an actor
+    may name more (the training job's optimizer: ``publish``, ``checkpoint``). Kinds:
+    ``sigkill``, ``exit`` (status 3, no report), ``exception``, ``hang`` (no heartbeat
+    until killed), ``slow`` (the work takes 10x as long, beating), ``segfault``, and
+    ``nan`` (the actor makes its output non-finite, where it has a numeric output)."""
+
+    actor: str
+    at_batch: int = checked(0, at_least(0))
+    kind: Literal[FAULT_KINDS] = "sigkill"
+    at: str = "work"
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -86,6 +105,8 @@ class RuntimeConfig:
     """Write ``<run_dir>/trace.json``: every actor's spans, for Perfetto (``trace``)."""
     trace_batches: int = checked(100, at_least(1))
     """The trace keeps the spans of the first and the last this many batches."""
+    faults: tuple[FaultConfig, ...] = ()
+    """Faults to inject (``FaultConfig``); for testing recovery, e.g. ``make chaos``."""
 
 
 # ---------------------------------------------------------------------------

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from dflash_actors.checkpoint import (
+    PER_STEP,
     ResumeError,
+    adapt_grad_accum,
     check_resumable,
+    drafter_change,
     latest_checkpoint,
     list_checkpoints,
     load_trainer_state,
@@ -64,9 +67,17 @@ def test_math_changes_are_named():
     a = Config().to_dict()
     b = load_config(None, ["train.lr=1e-2", "runtime.hang_timeout_s=5", "topology.num_targets=3",
                            "topology.num_drafters=2"]).to_dict()
-    assert math_changes(a, b) == ["topology.num_drafters", "train.lr"]
-    with pytest.raises(ResumeError, match=r"train\.lr: 0\.0006 -> 0\.01"):
+    assert math_changes(a, b) == [PER_STEP, "train.lr"]
+    with pytest.raises(ResumeError, match=r"num_drafters\): 1 -> 2, train\.lr: 0\.0006 -> 0\.01"):
         check_resumable(a, b)
+    # Drafters traded for accumulation keep each step's batches: allowed, and said.
+    same = load_config(None, ["topology.num_drafters=2", "train.grad_accum=2"]).to_dict()
+    four = load_config(None, ["train.grad_accum=4"]).to_dict()
+    assert math_changes(same, four) == [] and drafter_change(same, four) is not None
+    assert drafter_change(four, four) is None
+    assert adapt_grad_accum(same, 1) == 4 and adapt_grad_accum(same, 4) == 1 and adapt_grad_accum(same, 2) is None
+    with pytest.raises(ResumeError, match="3 drafters cannot share evenly"):
+        adapt_grad_accum(same, 3)
     check_resumable(a, load_config(None, ["runtime.run_dir=elsewhere", "train.checkpoint_every=3",
                                           "runtime.schedule=lockstep", "runtime.trace=true"]).to_dict())
     # Simulated compute fakes the gradients: a real run cannot continue as a simulated one.
