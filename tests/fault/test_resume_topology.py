@@ -1,7 +1,8 @@
 """A 2-2 run stopped mid-way and resumed on other topologies: fewer GPUs after a
 failure (1-1), or a different split (3-1), continue the same data order and optimizer
-state; only the gradient summation order can change. Changing only the targets (1-2)
-changes nothing at all."""
+state; only the gradient summation order changes (with 2 batches per drafter, 2-2 sums
+(g0 + g2) + (g1 + g3) where one drafter sums ((g0 + g1) + g2) + g3). Changing only the
+targets (1-2) changes nothing at all."""
 
 import os
 import shutil
@@ -16,7 +17,7 @@ import launch
 from dflash_actors.pipeline import Job
 from dflash_actors.reference import train_reference
 
-LEN = ("train.epochs=4", "train.checkpoint_every=2")
+LEN = ("train.epochs=6", "train.grad_accum=2", "train.checkpoint_every=2")
 
 
 @pytest.fixture(scope="module")
@@ -26,21 +27,21 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stopped(cache_dir, tmp_path_factory):
-    """A 2-2 run stopped by SIGTERM after 5 steps; its config and the run dir."""
+    """A 2-2 run stopped by SIGTERM after 4 of its 12 steps; its config and the run dir."""
     run_dir = tmp_path_factory.mktemp("topo") / "run"
     cfg = small_config(cache_dir, run_dir, "2-2", *LEN)
     job = Job(cfg, progress=False)
 
     def stop():
         end = time.monotonic() + 240
-        while int(job.shared.step_stats[:, -1].sum()) < 5 and time.monotonic() < end:
+        while int(job.shared.step_stats[:, -1].sum()) < 4 and time.monotonic() < end:
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGTERM)      # the supervisor's handler: checkpoint, then stop
 
     threading.Thread(target=stop, daemon=True).start()
     result = job.run()
     assert result.exit_code == 130, result.reason
-    assert 5 <= result.summary["step"] < job.schedule.total_steps
+    assert 4 <= result.summary["step"] < job.schedule.total_steps
     return cfg, run_dir
 
 
@@ -74,7 +75,7 @@ def test_resume_on_fewer_drafters_matches_within_tolerance(stopped, reference, t
     run, err = resume_as(stopped, tmp_path, topology, capsys)
     line = [x for x in err.splitlines() if "drafter" in x and "tolerance" in x]
     assert len(line) == 1, err
-    assert "train.grad_accum 1 -> 2" in line[0]
+    assert "train.grad_accum 2 -> 4" in line[0]
     diff = max_rel_diff(final_weights(run), reference)
     print(f"{topology}: max relative difference to the uninterrupted 2-2 run {diff:.2e}")
-    assert diff < 1e-4
+    assert 0 < diff < 1e-4      # not bits (the order did change), but float noise
