@@ -168,8 +168,10 @@ class Optimizer(Actor):
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                print(f"optimizer: checkpoint step-{version:07d} not written ({e.strerror}); "
-                      f"training goes on, next try at step {version + every}", file=sys.stderr, flush=True)
+                line = (f"checkpoint step-{version:07d} not written ({e.strerror}); "
+                        f"training goes on, next try at step {version + every}")
+                self.report("checkpoint_failed", step=version, reason=line)
+                print(f"optimizer: {line}", file=sys.stderr, flush=True)
 
     def _drafter_writer(self, version: int):
         """``save_pretrained``, then the ``checkpoint`` fault point: half the files written."""

@@ -197,6 +197,10 @@ class OptimizerStub:
         self.spec = SimpleNamespace(cfg=SimpleNamespace(train=train, runtime=runtime),
                                     schedule=SimpleNamespace(total_steps=10), weights=None)
         self.model = SimpleNamespace(save_pretrained=writer)
+        self.reported = []
+
+    def report(self, event, **fields):
+        self.reported.append((event, fields))
 
     def _drafter_writer(self, version):
         return self.model.save_pretrained
@@ -215,9 +219,11 @@ def optimizer_state(monkeypatch):
 
 def test_periodic_checkpoint_on_a_full_disk_is_skipped_and_retried(tmp_path, optimizer_state, capsys):
     root = run_with(tmp_path, 2)
-    Optimizer._maybe_checkpoint(OptimizerStub(tmp_path, _drafter_then_full), 4)    # returns: no crash
+    opt = OptimizerStub(tmp_path, _drafter_then_full)
+    Optimizer._maybe_checkpoint(opt, 4)    # returns: no crash
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "step-0000004 not written" in err[0] and "next try at step 6" in err[0], err
+    assert [(e, f["step"]) for e, f in opt.reported] == [("checkpoint_failed", 4)]     # and in events.log
     assert sorted(p.name for p in root.iterdir()) == ["step-0000002"]
     Optimizer._maybe_checkpoint(OptimizerStub(tmp_path, write_drafter(6)), 6)
     assert latest_checkpoint(tmp_path) == root / "step-0000006"
