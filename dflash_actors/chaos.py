@@ -141,7 +141,7 @@ class Driver:
             time.sleep(0.05)
         return None
 
-    def kill_actor(self, st: dict) -> None:
+    def kill_actor(self, st: dict) -> bool:
         """kill -9 of a random live actor; kills may overlap others' restarts, as in life
         (restart times come from events.log: death to the replacement's Ready)."""
         live = sorted(k for k, a in st["actors"].items() if a["state"] in ("idle", "working"))
@@ -149,8 +149,9 @@ class Driver:
         try:
             os.kill(st["actors"][victim]["pid"], signal.SIGKILL)
         except ProcessLookupError:
-            return      # died meanwhile (a fault of its own); the next event picks again
+            return False    # died meanwhile
         self.done["kills"] += 1
+        return True
 
     def kill_supervisor(self) -> None:
         kids = _children(self.proc.pid)
@@ -180,33 +181,36 @@ class Driver:
         if s and s.get("supervisor_pid") == self.proc.pid and s["actors"][victim]["pid"] != pid:
             self.problems.append(f"{victim} was restarted after a SIGSTOP shorter than hang_timeout_s")
 
+    def _event(self, what: str, mean_gap_s: float) -> bool:
+        """Wait a random gap, then do ``what``; retried until it lands (a victim that
+        died meanwhile of its own fault does not count); False if the run ended first."""
+        while self.up(every=what != "kill") is not None:
+            time.sleep(self.rng.uniform(0, 2 * mean_gap_s))
+            st = self.up(every=what != "kill", timeout=60.0)
+            if st is None:
+                continue
+            if what == "kill":
+                if self.kill_actor(st):
+                    return True
+            elif what == "supervisor":
+                self.kill_supervisor()
+                return True
+            else:
+                import yaml
+                config = yaml.safe_load((self.run_dir / "config.yaml").read_text())
+                self.stop_cont(st, float(config["runtime"]["hang_timeout_s"]))
+                return True
+        return False
+
     def run(self, kills: int, supervisor_kills: int, stops: int, mean_gap_s: float) -> dict:
         t0 = time.monotonic()
         plan = ["kill"] * kills + ["supervisor"] * supervisor_kills + ["stop"] * stops
         self.rng.shuffle(plan)
         self.launch(resume=False)
-        hang_s = None
         for i, what in enumerate(plan):
-            st = self.up(every=what != "kill")
-            if st is None:
+            if not self._event(what, mean_gap_s):
                 self.problems.append(f"the run ended before event {i + 1} of {len(plan)} ({what})")
                 break
-            if hang_s is None:
-                import yaml
-                hang_s = float(yaml.safe_load((self.run_dir / "config.yaml").read_text())["runtime"]["hang_timeout_s"])
-            time.sleep(self.rng.uniform(0, 2 * mean_gap_s))
-            if not self.running():
-                self.problems.append(f"the run ended before event {i + 1} of {len(plan)} ({what})")
-                break
-            st = self.up(every=what != "kill", timeout=60.0)
-            if st is None:
-                continue
-            if what == "kill":
-                self.kill_actor(st)
-            elif what == "supervisor":
-                self.kill_supervisor()
-            else:
-                self.stop_cont(st, hang_s)
         code = self.proc.wait() if self.proc else None
         if code != 0:
             self.problems.append(f"launch.py exited {code}")
