@@ -10,11 +10,6 @@ from dflash_actors.pipeline import Job
 from dflash_actors.reference import train_reference
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("faults-cache")
-
-
 def events(run_dir):
     return [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines()]
 

@@ -21,10 +21,6 @@ from dflash_actors.reference import train_reference
 LONG = ("train.epochs=20",)
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("fault-cache")
-
 
 def read_status(run_dir):
     try:
@@ -78,6 +74,7 @@ class Killer(threading.Thread):
             self.error = e
 
 
+@pytest.mark.chaos      # make chaos, for time: make test keeps a cheaper case of each path
 def test_kill_every_role_mid_run(cache_dir, tmp_path):
     cfg = small_config(cache_dir, tmp_path / "run", "2-2", *LONG)
     job = Job(cfg, progress=False)
@@ -112,6 +109,7 @@ def _launch(cache_dir, run_dir, *extra, env=None, resume=False):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.chaos      # make chaos, for time: make test keeps a cheaper case of each path
 def test_kill_whole_job_during_checkpoint_then_resume(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
@@ -155,6 +153,7 @@ def test_kill_whole_job_during_checkpoint_then_resume(cache_dir, tmp_path):
     assert losses(run_dir) == ref.losses[3:]
 
 
+@pytest.mark.chaos      # make chaos, for time: make test keeps a cheaper case of each path
 def test_sigterm_checkpoints_promptly_and_resumes(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     sup = _launch(cache_dir, run_dir)

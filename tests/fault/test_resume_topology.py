@@ -20,10 +20,6 @@ from dflash_actors.reference import train_reference
 LEN = ("train.epochs=6", "train.grad_accum=2", "train.checkpoint_every=2")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("topo-cache")
-
 
 @pytest.fixture(scope="module")
 def stopped(cache_dir, tmp_path_factory):
@@ -70,7 +66,7 @@ def test_resume_with_other_targets_is_bit_identical(stopped, reference, tmp_path
     assert all(k.startswith("rotary_emb.") or (got[k] == reference[k]).all() for k in reference)
 
 
-@pytest.mark.parametrize("topology", ["1-1", "3-1"])
+@pytest.mark.parametrize("topology", ["1-1", pytest.param("3-1", marks=pytest.mark.chaos)])
 def test_resume_on_fewer_drafters_matches_within_tolerance(stopped, reference, tmp_path, topology, capsys):
     run, err = resume_as(stopped, tmp_path, topology, capsys)
     line = [x for x in err.splitlines() if "drafter" in x and "tolerance" in x]

@@ -15,11 +15,6 @@ from dflash_actors.synthetic import flatten, write_token_dataset
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("launch-cache")
-
-
-@pytest.fixture(scope="module")
 def other_drafter(cache_dir, tmp_path_factory):
     """A drafter saved for a target with a different hidden size."""
     cfg = load_config(ROOT / "configs/default.yaml", SMALL + [

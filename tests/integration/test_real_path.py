@@ -79,6 +79,7 @@ def _prepare_cmd(target, prompts, out):
             "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--threads", "1"]
 
 
+@pytest.mark.slow      # make slow: 20 s, and prepare has no other kill path
 def test_prepare_resumes_after_kill_without_duplicates(chat, tmp_path):
     """Sampled (seeded per shard), killed after its first shards, rerun: the result equals
     an uninterrupted run's, row for row."""
