@@ -75,7 +75,8 @@ FAULT_KINDS = ("sigkill", "exit", "exception", "hang", "slow", "segfault", "nan"
 class FaultConfig:
     """One injected fault (``runtime.faults``): when actor ``actor`` first reaches fault
     point ``at`` with a batch id >= ``at_batch``, it fails the way ``kind`` says, once
-    per run (a replacement does not fail again). Points every actor has: ``work``
+    per supervisor (a replacement does not fail again; a resumed job, which reuses the
+    config, meets it again if it lies ahead). Points every actor has: ``work``
     (before the work) and ``commit`` (after the work, before its ledger commit); an actor
     may name more (the training job's optimizer: ``publish``, ``checkpoint``). Kinds:
     ``sigkill``, ``exit`` (status 3, no report), ``exception``, ``hang`` (no heartbeat
