@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 
 import pytest
 from support.pipeline import final_weights, small_config
@@ -28,14 +27,19 @@ def stopped(cache_dir, tmp_path_factory):
     cfg = small_config(cache_dir, run_dir, "2-2", *LEN)
     job = Job(cfg, progress=False)
 
+    over = threading.Event()
+
     def stop():
-        end = time.monotonic() + 240
-        while int(job.shared.step_stats[:, -1].sum()) < 4 and time.monotonic() < end:
-            time.sleep(0.02)
+        while int(job.shared.step_stats[:, -1].sum()) < 4:
+            if over.wait(0.02):
+                return      # the job ended first: a SIGTERM now would hit pytest itself
         os.kill(os.getpid(), signal.SIGTERM)      # the supervisor's handler: checkpoint, then stop
 
     threading.Thread(target=stop, daemon=True).start()
-    result = job.run()
+    try:
+        result = job.run()
+    finally:
+        over.set()
     assert result.exit_code == 130, result.reason
     assert 4 <= result.summary["step"] < job.schedule.total_steps
     return cfg, run_dir
