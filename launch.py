@@ -25,7 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="continue RUN_DIR from its newest checkpoint that verifies, on its saved config.yaml "
                          "(a --config given now replaces it; --topology and --set given now apply on top)")
     ap.add_argument("--plan-only", action="store_true",
-                    help="validate config and data, print the first epoch's plan, and exit")
+                    help="validate config, data and target, print the first epoch's plan, and exit")
     ap.add_argument("--devices", type=int, metavar="K",
                     help="with --topology auto: devices to split (default: the GPUs here, or 2 without any)")
     ap.add_argument("--chaos", type=int, metavar="SEED",
@@ -111,8 +111,11 @@ def main(argv=None) -> int:
         if args.chaos is not None:
             cfg = with_chaos(args, cfg, run_dir)
         if args.plan_only:
+            from dflash_actors.models.head import target_info
             from dflash_actors.preflight import preflight
             pre = preflight(cfg)
+            # The target too: its layers and vocabulary against the data, as a run would.
+            pre.dataset.check_values(target_info(cfg, "cpu").vocab_size)
             print(json.dumps({"dataset": str(pre.train_path), "samples": len(pre.dataset),
                               "tokens": pre.dataset.num_tokens, "truncated": pre.dataset.n_truncated,
                               "dropped": pre.dataset.n_dropped, "targets": pre.devices.targets,

@@ -191,6 +191,8 @@ CASES = {
     "empty target path": (["--set", "target.path=''"], ["target.path", "must not be empty"]),
     "target vocabulary smaller than the data": (["--set", "target.path={d}/small_vocab"],
                                                 ["data-00000-of-00001.arrow: row ", "outside [0, 64)"]),
+    "--plan-only checks the target too": (["--plan-only", "--set", "target.path={d}/small_vocab"],
+                                          ["data-00000-of-00001.arrow: row ", "outside [0, 64)"]),
 }
 
 
