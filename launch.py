@@ -1,5 +1,8 @@
 """Train a DFlash drafter: ``python launch.py --topology 2-2``.
 
+``python launch.py status RUN_DIR [--watch]`` shows how a run is doing, from another
+terminal (``statusview``): exit 0 healthy, 1 stuck or stopping, 3 not running.
+
 Thin on purpose: parse arguments, build and check the config, hand over to the
 pipeline. Bad input exits with status 2 and one line, before any actor starts and
 without writing to the run directory; so does a run directory that another job holds.
@@ -18,7 +21,8 @@ from dflash_actors.config import DEFAULT_CONFIG, add_config_args, config_from_ar
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="and: launch.py status RUN_DIR [--watch [SECONDS]] (how a run is doing)")
     add_config_args(ap)
     ap.add_argument("--run-dir", help="where status.json, events.log and checkpoints go")
     ap.add_argument("--resume", metavar="RUN_DIR",
@@ -83,6 +87,10 @@ def with_chaos(args: argparse.Namespace, cfg, run_dir: list[str]):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["status"]:
+        from dflash_actors.statusview import main as status_main
+        return status_main(argv[1:])
     args = parse_args(argv)
     # The job reports progress itself (status.json, the summary); model-loading bars from
     # transformers would only interleave with it.
@@ -122,7 +130,9 @@ def main(argv=None) -> int:
                               "drafters": pre.devices.drafters,
                               "epoch0": pre.plan0.stats(pre.dataset.lengths, cfg.batching.token_budget)}))
             return 0
+        from dflash_actors import console
         from dflash_actors.pipeline import Job
+        console.setup(cfg.monitor.console, cfg.monitor.log_every_s)
         job = Job(cfg, resume=args.resume is not None)
     except (ValueError, OSError) as e:   # ConfigError, DatasetError, ResumeError are ValueErrors
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

@@ -41,7 +41,7 @@ _TMP_DIR = re.compile(r"^\.tmp-step-\d+-(\d+)$")
 # Keys that may change between a run and its resume without changing the math.
 RESUME_FREE = ("runtime.", "topology.num_targets", "topology.target_devices",
                "topology.drafter_devices", "train.checkpoint_every", "train.max_bad_steps", "data.cache_dir",
-               "target.self_check", "eval.")
+               "target.self_check", "eval.", "monitor.")
 NOT_FREE = ("runtime.simulate.",)
 """Exceptions to RESUME_FREE: simulated gradients are not the real ones."""
 

@@ -247,6 +247,22 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    """What a running job shows and records besides training itself (``monitor``)."""
+
+    console: Literal["auto", "bar", "lines", "off"] = "auto"
+    """auto: a live bar when stdout and stderr are terminals, else plain lines on stdout."""
+    log_every_s: float = checked(30.0, above(0))
+    """Seconds between the progress lines of the ``lines`` console."""
+    resources_every_s: float = checked(5.0, above(0))
+    """Seconds between resource samples (RSS, CPU, GPU memory, busy %) in ``metrics.jsonl``."""
+    tensorboard: bool = True
+    """Also write TensorBoard scalars to ``<run_dir>/tensorboard`` when ``tensorboard`` is installed."""
+    peak_tflops: Optional[float] = checked(None, optional(above(0)))
+    """The devices' peak TFLOP/s, for MFU in the summary; None: known CUDA devices' bf16 dense peak."""
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -256,6 +272,7 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     runtime: JobRuntimeConfig = field(default_factory=JobRuntimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self):
         if self.drafter.block_size > self.batching.token_budget:

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
+
+from . import console
 
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
@@ -142,10 +143,12 @@ class TokenDataset:
         raw_lengths: list[np.ndarray] = []
         self.has_loss_mask = True
         shards = _shard_paths(self.path)
-        for shard in tqdm(shards, desc="open dataset", unit="shard", delay=1.0, disable=not progress):
-            table = _read_table(shard)
-            self._tables.append(table)
-            raw_lengths.extend(self._add_shard(str(shard), table))
+        with console.progress(len(shards), "open dataset", "shards", progress) as bar:
+            for shard in shards:
+                table = _read_table(shard)
+                self._tables.append(table)
+                raw_lengths.extend(self._add_shard(str(shard), table))
+                bar.update(1)
         lengths = np.concatenate(raw_lengths) if raw_lengths else np.zeros(0, np.int64)
         if len(lengths) == 0:
             raise DatasetError(f"{self.path}: dataset has no samples")
@@ -266,8 +269,7 @@ class TokenDataset:
         open reads only offsets.
         """
         total = int(sum(int(c.ids_offsets[-1] - c.ids_offsets[0]) for c in self._chunks))
-        with tqdm(total=total, desc="check tokens", unit="tok", unit_scale=True, delay=1.0,
-                  disable=not progress) as bar:
+        with console.progress(total, "check tokens", "tok", progress, unit_scale=True) as bar:
             for c in self._chunks:
                 self._check_range(c, c.ids_offsets, c.ids_values, 0, vocab_size - 1, "input_ids",
                                   f"outside [0, {vocab_size})")

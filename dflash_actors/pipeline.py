@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import report, rundir, wiring
+from . import console, report, rundir, wiring
 from .actors.optimizer import RollbackRequired
 from .batching import META_COLS
 from .checkpoint import (
@@ -56,6 +56,7 @@ from .config import Config, ConfigError, dump_config
 from .models.drafter import DFlashDrafter, build_drafter
 from .models.head import target_info
 from .models.target import resolve_dtype
+from .monitor import Monitor, accounting
 from .params import ParamLayout
 from .preflight import preflight
 from .runtime.events import EventLog
@@ -156,22 +157,27 @@ class Job:
     def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
         self.t0 = time.perf_counter()
         self.cfg, self.run_dir, self.progress = cfg, Path(cfg.runtime.run_dir), progress
+        self.accounts: dict = {}
         rundir.check(self.run_dir)
         check_faults(cfg.runtime.faults, wiring.actor_classes(cfg))
         self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
-        self.target = target_info(cfg, "cpu")
+        with console.phase("read the target's config (the tiny default is built once)", progress):
+            self.target = target_info(cfg, "cpu")
         self.pre.dataset.check_values(self.target.vocab_size, progress=progress)
-        self.schedule = schedule = Schedule.from_config(cfg, self.pre.dataset.lengths)
+        with console.phase("plan every epoch", progress):
+            self.schedule = schedule = Schedule.from_config(cfg, self.pre.dataset.lengths)
         if schedule.total_steps == 0:
             raise ConfigError(f"train.grad_accum: no optimizer step fits an epoch ({len(self.pre.plan0)} "
                               f"batches; a step needs grad_accum * drafters = {schedule.per_step})")
-        model = build_drafter(cfg, self.target)      # checks drafter.init_from
+        with console.phase("build drafter", progress):
+            model = build_drafter(cfg, self.target)      # checks drafter.init_from
         # The input is valid: from here on the directory is this job's. Checkpoints are
         # read under the lock, so never while another job writes them.
         self.lock = rundir.RunDirLock(self.run_dir)
         self.lock.acquire()
         try:
-            self.start = load_start(cfg, model, self.run_dir, resume)
+            with console.phase("verify and load the checkpoint" if resume else "prepare the start", progress):
+                self.start = load_start(cfg, model, self.run_dir, resume)
             self.layout = ParamLayout.of(self.start.model)
             self.shared = self._allocate()
         except BaseException:
@@ -235,11 +241,11 @@ class Job:
         feature_dtype = DTYPE_NAMES[resolve_dtype(cfg.target.dtype, torch.device(self.pre.devices.targets[0]))]
         width = feature_width(cfg, self.target)
         stages = wiring.stages(cfg, sched, self.pre.devices, self.shared, self.pre.train_path, first)
-        progress = report.Progress(self.shared.step_stats, self.shared.weights, first, sched.total_steps,
-                                   self.progress)
+        monitor = Monitor(cfg, sched, self.shared, first, self.progress)
         sup = Supervisor(cfg.runtime, stages, wiring.rings(cfg, width, feature_dtype), sched.total_batches,
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
-                         num_threads=cfg.train.num_threads, on_status=progress)
+                         num_threads=cfg.train.num_threads, on_status=monitor)
+        monitor.watch(sup.work_times, stages)
         evaluator = None
         if cfg.eval.every and first < sched.total_steps:
             from .evaluator import Evaluator
@@ -248,9 +254,17 @@ class Job:
         try:
             return sup.run()
         finally:
-            progress.close()
+            monitor.close()
+            self.accounts = self._accounting(monitor, first)
             if evaluator is not None:
                 evaluator.finish(cfg.runtime.hang_timeout_s)
+
+    def _accounting(self, monitor: Monitor, first: int) -> dict:
+        devices = {"target": self.pre.devices.targets[0], "drafter": self.pre.devices.drafters[0]}
+        stats = self.pre.plan0.stats(self.pre.dataset.lengths, self.cfg.batching.token_budget)
+        return accounting(self.cfg, self.target.config, self.target.layer_ids, self.schedule,
+                          self.shared.step_stats, self.shared.batch_stats, monitor.work_times, monitor.stages,
+                          first, monitor.train_s(), stats["mean_samples"], devices)
 
     def _checkpoint(self) -> Path:
         """The final checkpoint, from the shared state (consistent: no actor is left),
@@ -277,7 +291,7 @@ class Job:
     def _finish(self, exit_code: int, reason: str, restarts: dict, rollbacks: int) -> RunResult:
         summary = report.finish(self.run_dir, reason, self.shared.weights.version, self.schedule.total_steps,
                                 self.start.version, self.shared.step_stats, time.perf_counter() - self.t0,
-                                restarts, rollbacks, self.progress)
+                                restarts, rollbacks, self.progress, self.accounts)
         if exit_code and exit_code != 130:
             print(f"error: {reason}", file=sys.stderr)
         return RunResult(exit_code, reason, summary)

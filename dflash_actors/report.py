@@ -1,9 +1,6 @@
-"""What a training job tells its user: the live view while it runs, the summary after.
-
-While it runs, ``Progress`` is the supervisor's status hook: once a second it adds the
-training position (step, loss, simulated tau, lr, tokens) to ``status.json`` and moves
-the progress bar. At the end, ``finish`` writes ``summary.json`` and ``losses.json``,
-prints the summary as one JSON line on stdout and a readable line on stderr.
+"""What a training job tells its user at the end (``monitor`` does it while it runs):
+``finish`` writes ``summary.json`` and ``losses.json``, prints the summary as one JSON
+line on stdout and a readable line, with the per-stage accounting, on stderr.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .checkpoint import latest_checkpoint
 from .metrics import read_steps
@@ -24,30 +20,8 @@ def _tokens(steps: list[dict]) -> int:
     return int(sum(s["tokens"] for s in steps))
 
 
-class Progress:
-    def __init__(self, step_stats: torch.Tensor, weights, first_step: int, total_steps: int, enabled: bool):
-        self.step_stats, self.weights, self.total_steps = step_stats, weights, total_steps
-        self.bar = tqdm(total=total_steps, initial=first_step, unit="step", desc="train", disable=not enabled,
-                        dynamic_ncols=True)
-
-    def __call__(self, status: dict) -> None:
-        steps = read_steps(self.step_stats)
-        last = steps[-1] if steps else {}
-        step = self.weights.version
-        status["training"] = {"step": step, "total_steps": self.total_steps, "loss": last.get("loss"),
-                              "simulated_tau": last.get("tau"), "lr": last.get("lr"), "tokens": _tokens(steps)}
-        self.bar.update(step - self.bar.n)
-        if steps:
-            restarts = sum(a["restarts"] for a in status["actors"].values())
-            self.bar.set_postfix(loss=f"{last['loss']:.4f}", tau=f"{last['tau']:.2f}", restarts=restarts,
-                                 refresh=False)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def finish(run_dir: Path, reason: str, step: int, total_steps: int, resumed_from: int, step_stats: torch.Tensor,
-           wall_s: float, restarts: dict[str, int], rollbacks: int, verbose: bool) -> dict:
+           wall_s: float, restarts: dict[str, int], rollbacks: int, verbose: bool, stages: dict) -> dict:
     """Write and print the run's summary; returns it."""
     steps = read_steps(step_stats)
     tokens = _tokens(steps)
@@ -60,6 +34,7 @@ def finish(run_dir: Path, reason: str, step: int, total_steps: int, resumed_from
         "restarts": sum(restarts.values()), "restarts_by_actor": {k: v for k, v in restarts.items() if v},
         "rollbacks": rollbacks, "checkpoint": str(ckpt) if ckpt else None,
         "skipped_steps": [resumed_from + i for i, s in enumerate(steps) if s["skipped"]],
+        "stages": stages,
     }
     summary["loss"], summary["simulated_tau"] = _finite(summary["loss"]), _finite(summary["simulated_tau"])
     # Strict JSON: a skipped step's NaN loss is written as null, not as a bare NaN.
@@ -72,7 +47,23 @@ def finish(run_dir: Path, reason: str, step: int, total_steps: int, resumed_from
         print(f"{reason}: step {step}/{total_steps}, loss {loss}, simulated tau {tau}, "
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['wall_s']:.1f} s, "
               f"{summary['restarts']} restarts; checkpoint {summary['checkpoint']}", file=sys.stderr)
+        for line in stage_lines(stages):
+            print(line, file=sys.stderr)
     return summary
+
+
+def stage_lines(stages: dict) -> list[str]:
+    """``  target    2 actors  busy 83%  4210 tok/s  0.91 TFLOP/s  MFU 12.0%`` per stage."""
+    out = []
+    for role, st in stages.items():
+        line = (f"  {role:<10} {st['actors']} actor{'s' if st['actors'] > 1 else ' '}  "
+                f"busy {100 * st['busy_fraction']:3.0f}%  "
+                f"{st['tokens_per_s'] or 0:8.0f} tok/s at full use")
+        if "tflops" in st:
+            line += f"  {st['tflops']:.3g} TFLOP/s per device"
+            line += f"  MFU {100 * st['mfu']:.1f}%" if st.get("mfu") is not None else ""
+        out.append(line)
+    return out
 
 
 def _finite(x):

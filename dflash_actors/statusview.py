@@ -34,6 +34,8 @@ from typing import Callable, Optional
 
 import psutil
 
+from .console import hms
+
 STALE_S = 10.0
 SAME_PROCESS_S = 1.0
 WIDTH = 120
@@ -115,13 +117,13 @@ def render(status: dict, now: float, run_dir: str = "-") -> str:
     actors = _actors(status)
     batches = status.get("batches") or {}
     age = _age(status, now)
-    updated = "" if age is None else f", updated {age:.1f} s ago" if age < 60 else f", updated {_hms(age)} ago"
+    updated = "" if age is None else f", updated {age:.1f} s ago" if age < 60 else f", updated {hms(age)} ago"
     pct = _percent(train.get("step"), train.get("total_steps"))
     step = _of(train.get("step"), train.get("total_steps")) + (f" ({pct}%)" if pct is not None else "")
     restarts = sum(info.get("restarts") or 0 for _, info in actors)
     grid = [
         [("step", step), ("epoch", _of(train.get("epoch"), train.get("total_epochs"))),
-         ("ETA", _hms(train.get("eta_s")))],
+         ("ETA", hms(train.get("eta_s")))],
         [("tokens/s", _fmt(train.get("tokens_per_s_30s"), ",.0f") + " (30 s)"),
          ("overall", _fmt(train.get("tokens_per_s"), ",.0f")), ("tokens", _fmt(train.get("tokens"), ","))],
         [("loss", _fmt(train.get("loss"), ".4f")), ("sim tau", _fmt(train.get("simulated_tau"), ".3f")),
@@ -217,13 +219,6 @@ def _fmt(value, spec: str, unit: str = "") -> str:
     if spec == "d":
         value = int(value)
     return format(value, spec) + unit
-
-
-def _hms(seconds) -> str:
-    if seconds is None:
-        return "-"
-    s = int(round(seconds))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def _clip(line: str) -> str:

@@ -57,7 +57,9 @@ class Drafter(Actor):
         self.device = torch.device(self.spec.devices[self.j])
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.starting("load the target's embeddings and head")
         self.head = load_head(self.spec.cfg, self.device)
+        self.starting("build drafter")
         self.model = build_drafter(self.spec.cfg, self.head)
         self.params = list(self.model.parameters())
         self.gamma = decay_gamma(self.spec.cfg)

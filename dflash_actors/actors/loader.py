@@ -32,6 +32,7 @@ class Loader(Actor):
     spec: LoaderSpec
 
     def attach(self) -> None:
+        self.starting("open dataset")
         self.dataset = open_dataset(self.spec.cfg.data, progress=False, path=self.spec.train_path)
         self.plans = Plans(self.spec.cfg, self.dataset.lengths)
 

@@ -76,6 +76,7 @@ class Optimizer(Actor):
     def attach(self) -> None:
         spec, store = self.spec, self.spec.weights
         self.device = torch.device(spec.device)
+        self.starting("build drafter")
         self.model = build_drafter(spec.cfg, target_info(spec.cfg, self.device))
         self.params = list(self.model.parameters())
         self.opt = build_optimizer(self.params, spec.cfg.train)
@@ -84,6 +85,7 @@ class Optimizer(Actor):
         if problem:
             raise RollbackRequired(f"optimizer state inconsistent: {problem}")
         version = store.version
+        self.starting("restore weights and optimizer state")
         store.load_params(self.params, version)
         restore(self.opt, self.sched, self.params, version, *store.moments(version))
         # A kill may have cut the checkpoint of this version short: write it before the

@@ -50,8 +50,10 @@ class Target(Actor):
             # Imported here: transformers costs seconds of every start, which a
             # simulated target (and its restarts) need not pay.
             from ..models.target import SelfCheckError, load_target, self_check
+            self.starting("load target weights")
             self.model = load_target(self.spec.cfg, self.device)
             if self.spec.cfg.target.self_check:
+                self.starting("self-check features")
                 try:
                     self_check(self.model)
                 except SelfCheckError as e:

@@ -42,7 +42,7 @@ import torch
 
 from .channels import Ring
 from .ledger import Ledger
-from .messages import ActorError, Done, Note, Ready, Stop, Work
+from .messages import ActorError, Done, Note, Ready, Starting, Stop, Work
 from .trace import Tracer, Window, part_path
 
 
@@ -73,6 +73,9 @@ class HB(enum.IntEnum):
     DONE = 3        # Work items completed by this incarnation
     WIP = 4         # beats inside Work (progress within a long step)
     BATCH = 5       # batch id in hand, -1 when idle
+    BUSY = 6        # seconds spent on Work items, over every incarnation of this actor
+    WORK_T0 = 7     # time.monotonic() when the Work item in hand began, 0 when idle
+    GPU_MB = 8      # CUDA memory the caching allocator holds, MiB (0 without CUDA)
 
 
 class Heartbeats:
@@ -96,7 +99,9 @@ class Heartbeats:
 
     def reset(self, n: int, pid: int) -> None:
         r = self._a[n]
+        busy = r[HB.BUSY]       # the actor's, not the incarnation's: busy fractions span restarts
         r[:] = 0
+        r[HB.BUSY] = busy
         r[HB.PID] = pid
         r[HB.BATCH] = -1
         r[HB.BEAT] = time.monotonic()
@@ -104,7 +109,14 @@ class Heartbeats:
     def row(self, n: int) -> dict:
         r = self._a[n]
         return {"pid": int(r[HB.PID]), "phase": Phase(int(r[HB.PHASE])), "beat": float(r[HB.BEAT]),
-                "done": int(r[HB.DONE]), "wip": int(r[HB.WIP]), "batch": int(r[HB.BATCH])}
+                "done": int(r[HB.DONE]), "wip": int(r[HB.WIP]), "batch": int(r[HB.BATCH]),
+                "gpu_mb": float(r[HB.GPU_MB])}
+
+    def busy(self, n: int, now: float) -> float:
+        """Seconds actor ``n`` has spent working up to ``now``, the item in hand included."""
+        r = self._a[n]
+        t0 = r[HB.WORK_T0]
+        return float(r[HB.BUSY] + (max(0.0, now - t0) if t0 else 0.0))
 
     def bump(self, n: int) -> None:
         """One more beat inside a Work item."""
@@ -138,6 +150,9 @@ class ActorContext:
     trace_window: Optional[Window] = None
     faults: tuple = ()                 # (number, FaultConfig) aimed at this actor
     fired: Optional[torch.Tensor] = None   # shared int8 [all faults]: 1 once fired
+    work_times: Optional[torch.Tensor] = None
+    """Shared float64 [batches, stages]: seconds the stage's ``work`` took on each batch."""
+    stage: int = 0                     # this actor's column in ``work_times``
 
 
 class Actor:
@@ -176,6 +191,12 @@ class Actor:
 
     def drain(self) -> None:
         """Flush before an orderly exit."""
+
+    def starting(self, phase: str, done: Optional[int] = None, total: Optional[int] = None) -> None:
+        """Say what ``attach`` is doing now (``status.json`` shows it); call again with
+        counts as a long phase advances. A phase that says nothing for
+        ``hang_timeout_s`` shows as stuck."""
+        self.ctx.conn.send(Starting(self.ctx.actor_id, phase, done, total))
 
     def report(self, event: str, **fields) -> None:
         """Record ``event`` in the supervisor's ``events.log``."""
@@ -253,6 +274,7 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
     """Do Work as it comes: ``work``, the ledger commit, Done, then ``after_commit``;
     beat while idle. Raises Shutdown on Stop."""
     hb, n, conn = ctx.heartbeats, ctx.number, ctx.conn
+    times = ctx.work_times.numpy() if ctx.work_times is not None else None
     done = 0
     while True:
         if not conn.poll(ctx.heartbeat_s):
@@ -263,9 +285,9 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
             raise Shutdown(msg.reason)
         if not isinstance(msg, Work):
             raise TypeError(f"unexpected message {msg!r}")
-        hb.set(n, phase=Phase.WORKING, batch=msg.batch_id)
-        b, tracer = msg.batch_id, actor.tracer
         t0 = time.monotonic()
+        hb.set(n, phase=Phase.WORKING, batch=msg.batch_id, work_t0=t0)
+        b, tracer = msg.batch_id, actor.tracer
         actor.slow = actor.poisoned = False
         actor.fault_point("work", b)
         if actor.poisoned:
@@ -274,14 +296,26 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
         if actor.slow:      # 10x: nine more times the work's own duration, beating
             _sleep_beating(actor, 9 * (time.monotonic() - t0))
         actor.fault_point("commit", b)
+        t1 = time.monotonic()
+        if times is not None:   # before the commit: once the batch is final, so is its time
+            times[b, ctx.stage] = t1 - t0
         ctx.ledger.commit(b, ctx.to_state)
         # The span ends before Done goes out: whatever Done lets start begins after it.
-        tracer.record("work", t0, time.monotonic(), b)
+        tracer.record("work", t0, t1, b)
         conn.send(Done(ctx.actor_id, b))
         actor.after_commit(msg)
         tracer.flush()
         done += 1
-        hb.set(n, phase=Phase.IDLE, batch=-1, done=done)
+        hb.set(n, phase=Phase.IDLE, batch=-1, done=done, busy=hb.busy(n, time.monotonic()), work_t0=0,
+               gpu_mb=_gpu_mb())
+
+
+def _gpu_mb() -> float:
+    # Only where this process already uses CUDA: initializing it here would cost
+    # seconds and device memory in actors that never touch a GPU.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.memory_reserved() / 2**20
+    return 0.0
 
 
 class InjectedFault(Exception):

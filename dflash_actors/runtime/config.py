@@ -15,7 +15,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 
 class ConfigError(ValueError):
@@ -102,12 +102,19 @@ class RuntimeConfig:
     """How long actors get to finish on shutdown before SIGTERM, then SIGKILL."""
     start_timeout_s: float = checked(300.0, above(0))
     """Spawn to Ready (imports, model loading) before an actor counts as hung."""
+    stuck_after_s: Optional[float] = checked(None, optional(above(0)))
+    """A ready actor whose heartbeat is older than this shows as stuck in
+    ``status.json`` (it is killed only at ``hang_timeout_s``); None: a quarter of that."""
     trace: bool = False
     """Write ``<run_dir>/trace.json``: every actor's spans, for Perfetto (``trace``)."""
     trace_batches: int = checked(100, at_least(1))
     """The trace keeps the spans of the first and the last this many batches."""
     faults: tuple[FaultConfig, ...] = ()
     """Faults to inject (``FaultConfig``); for testing recovery, e.g. ``make chaos``."""
+
+    @property
+    def stuck_s(self) -> float:
+        return self.stuck_after_s if self.stuck_after_s is not None else self.hang_timeout_s / 4
 
 
 # ---------------------------------------------------------------------------

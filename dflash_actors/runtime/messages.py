@@ -74,6 +74,18 @@ class Note:
 
 
 @dataclass(frozen=True)
+class Starting:
+    """What the actor is doing before Ready: a startup phase (loading a model, opening
+    data), with counts when it has them. The supervisor shows the newest one in
+    ``status.json`` and calls the actor stuck when none has come for ``hang_timeout_s``."""
+
+    actor_id: str
+    phase: str
+    done: Optional[int] = None
+    total: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class ActorError:
     """An exception escaped the actor; it exits non-zero right after sending this.
     ``raised`` is the exception itself when it is an ``actor.Escalate`` (those are made

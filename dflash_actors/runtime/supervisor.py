@@ -40,6 +40,7 @@ The training job's wiring (``dflash_actors.wiring``) is the real example.
 
 from __future__ import annotations
 
+import collections
 import enum
 import json
 import os
@@ -52,6 +53,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Optional
 
+import psutil
 import torch
 import torch.multiprocessing as tmp
 
@@ -62,12 +64,13 @@ from .config import ConfigError, RuntimeConfig
 from .dispatch import Dispatcher, Stage
 from .events import EventLog
 from .ledger import Ledger
-from .messages import ActorError, Done, Note, Ready, Stop
+from .messages import ActorError, Done, Note, Ready, Starting, Stop
 from .policy import Decision, RestartPolicy
 from .trace import SUPERVISOR_TRACK, Tracer, Window, clear, merge, part_path
 
 STATUS_PERIOD_S = 1.0
 TERM_WAIT_S = 2.0       # after SIGTERM, before SIGKILL
+BUSY_WINDOW_S = 30.0    # status.json's busy_pct_30s
 
 
 class JobState(enum.Enum):
@@ -111,6 +114,13 @@ class _Child:
     last_error: Optional[ActorError] = None
     """Kept across restarts, for the give-up line; ``error`` is this incarnation's."""
     error: Optional[ActorError] = None
+    starting: Optional[dict] = None
+    """Until Ready: the newest startup phase (``Starting``), with when it began and
+    when it last said something (monotonic)."""
+    stuck: Optional[str] = None
+    ps: Optional[psutil.Process] = None
+    busy: collections.deque = field(default_factory=collections.deque)
+    """(monotonic, busy seconds) samples of the last ``BUSY_WINDOW_S``."""
 
 
 def check_faults(faults, actors: dict[str, type]) -> None:
@@ -151,17 +161,22 @@ class Supervisor:
                 self.children.append(_Child(f"{stage.role}.{k}", len(self.children), stage, k,
                                             policy=RestartPolicy(runtime.max_restarts, runtime.restart_window_s)))
         self.heartbeats = Heartbeats.allocate(len(self.children))
+        self.work_times = torch.zeros(n_batches, len(stages), dtype=torch.float64).share_memory_()
+        """Seconds each stage's ``work`` took on each batch (written by the actor that
+        committed it): what the training job's per-step accounting reads."""
         check_faults(runtime.faults, {c.actor_id: c.stage.actor for c in self.children})
         # Which injected faults have fired: shared, so that a replacement does not fire again.
         self.fired = torch.zeros(max(1, len(runtime.faults)), dtype=torch.int8).share_memory_()
         self.dispatcher = Dispatcher(stages, rings, self.ledger,
                                      {c.number: (stages.index(c.stage), c.index) for c in self.children})
         self.state = JobState.RUNNING
+        self.reason: Optional[str] = None     # why it stops, once it does
         self._mp = tmp.get_context("spawn")
         self._stop_signal: Optional[str] = None
         self._events: Optional[EventLog] = None
         self._window = Window(first_batch, n_batches, runtime.trace_batches)
         self.tracer = Tracer(None, SUPERVISOR_TRACK)
+        self._ps = psutil.Process()
 
     # -- public ----------------------------------------------------------------
 
@@ -242,7 +257,7 @@ class Supervisor:
                                    sent=[f"{w.batch_id}->{self.children[n].actor_id}" for n, w in sent])
 
     def _stopping(self, result: JobResult) -> JobResult:
-        self.state = JobState.STOPPING
+        self.state, self.reason = JobState.STOPPING, result.reason
         self._log("stopping", reason=result.reason)
         return result
 
@@ -258,13 +273,20 @@ class Supervisor:
             in_ring=self.rings[s.in_ring] if s.in_ring else None,
             out_ring=self.rings[s.out_ring] if s.out_ring else None, spec=s.spec,
             trace_dir=str(self.run_dir) if self.cfg.trace else None, trace_window=self._window,
-            faults=tuple((i, f) for i, f in enumerate(self.cfg.faults) if f.actor == c.actor_id), fired=self.fired)
+            faults=tuple((i, f) for i, f in enumerate(self.cfg.faults) if f.actor == c.actor_id), fired=self.fired,
+            work_times=self.work_times, stage=self.dispatcher.stages.index(s))
         proc = self._mp.Process(target=boot, args=(os.getpid(), Deferred((s.actor, ctx))), name=c.actor_id,
                                 daemon=True)
         proc.start()
         child_conn.close()
         c.proc, c.conn, c.ready, c.hung, c.error = proc, parent_conn, False, None, None
         c.spawned_at = time.monotonic()
+        c.starting = {"name": "start process, import", "done": None, "total": None, "since": c.spawned_at,
+                      "last": c.spawned_at}
+        try:
+            c.ps = psutil.Process(proc.pid)
+        except psutil.Error:
+            c.ps = None     # gone already; its sentinel says so
         self._log("spawn", actor=c.actor_id, pid=proc.pid, reason=reason)
 
     def _read(self, c: _Child) -> None:
@@ -277,8 +299,14 @@ class Supervisor:
                 return  # the process is gone; its sentinel says how
             if isinstance(msg, Done):
                 self.dispatcher.on_done(c.number, msg.batch_id)
+            elif isinstance(msg, Starting):
+                now = time.monotonic()
+                if c.starting is None or c.starting["name"] != msg.phase:
+                    c.starting = {"name": msg.phase, "since": now}
+                    self._log("starting", actor=c.actor_id, phase=msg.phase)
+                c.starting.update(done=msg.done, total=msg.total, last=now)
             elif isinstance(msg, Ready):
-                c.ready = True
+                c.ready, c.starting = True, None
                 self.dispatcher.on_ready(c.number)
                 self._log("ready", actor=c.actor_id, pid=msg.pid,
                           startup_s=round(time.monotonic() - c.spawned_at, 3))
@@ -460,6 +488,7 @@ class Supervisor:
         for c in self.children:
             hb = self.heartbeats.row(c.number)
             alive = c.proc is not None and c.proc.exitcode is None
+            rss, cpu = _usage(c.ps) if alive else (None, None)
             actors[c.actor_id] = {
                 "pid": c.proc.pid if c.proc is not None else None,
                 "state": (hb["phase"].name.lower() if alive and c.ready else "starting" if alive
@@ -469,11 +498,47 @@ class Supervisor:
                 "progress": {"done": hb["done"], "wip": hb["wip"]},
                 "batch": hb["batch"] if hb["batch"] >= 0 else None,
                 "holds": self.dispatcher.held(c.number),
+                "busy_s": round(self.heartbeats.busy(c.number, now), 3),
+                "busy_pct_30s": self._busy_pct(c, now),
+                "rss_mb": rss, "cpu_pct": cpu, "gpu_mem_mb": round(hb["gpu_mb"], 1) if hb["gpu_mb"] else None,
+                "phase": _phase(c.starting, now) if alive else None,
+                "stuck": c.stuck,
             }
-        return {"time": round(time.time(), 3), "state": self.state.value, "supervisor_pid": os.getpid(),
+        rss, cpu = _usage(self._ps)
+        return {"time": round(time.time(), 3), "state": self.state.value, "reason": self.reason,
+                "supervisor_pid": os.getpid(),
+                "supervisor_started": self._ps.create_time(), "supervisor": {"rss_mb": rss, "cpu_pct": cpu},
+                "stuck_after_s": self.cfg.stuck_s, "hang_timeout_s": self.cfg.hang_timeout_s,
                 "actors": actors, "rings": self.dispatcher.occupancy(),
                 "batches": {**self._counts(), "committed_this_run": len(self.dispatcher.committed),
                             "total": len(self.ledger)}}
+
+    def _busy_pct(self, c: _Child, now: float) -> Optional[float]:
+        """Percent of the last ``BUSY_WINDOW_S`` the actor spent working (over what
+        of the window has been seen yet)."""
+        c.busy.append((now, self.heartbeats.busy(c.number, now)))
+        while len(c.busy) > 2 and now - c.busy[1][0] >= BUSY_WINDOW_S:
+            c.busy.popleft()
+        (t0, b0), (t1, b1) = c.busy[0], c.busy[-1]
+        return round(min(100.0, 100 * (b1 - b0) / (t1 - t0)), 1) if t1 - t0 > 0.5 else None
+
+    def _check_stuck(self, now: float) -> None:
+        """Name the live actors that look stuck (``status.json``, one events.log line when
+        that begins and ends). Stuck is not hung: nothing is killed for it."""
+        for c in self.children:
+            reason = None
+            if c.proc is not None and not c.hung:
+                if c.ready:
+                    age = now - self.heartbeats.row(c.number)["beat"]
+                    if age > self.cfg.stuck_s:
+                        reason = f"no heartbeat for {age:.1f} s"
+                elif c.starting is not None and now - c.starting["last"] > self.cfg.hang_timeout_s:
+                    reason = f"no progress in {c.starting['name']!r} for {now - c.starting['last']:.0f} s"
+            if reason and not c.stuck:
+                self._log("stuck", actor=c.actor_id, reason=reason)
+            elif c.stuck and not reason:
+                self._log("unstuck", actor=c.actor_id, reason="alive again" if c.proc is not None else "gone")
+            c.stuck = reason
 
     def _counts(self) -> dict[str, int]:
         names = self.dispatcher.state_names
@@ -481,6 +546,7 @@ class Supervisor:
         return {name: counts[s] for s, name in names.items()}
 
     def _write_status(self) -> None:
+        self._check_stuck(time.monotonic())
         path = self.run_dir / "status.json"
         tmp_path = path.with_suffix(".json.tmp")
         status = self.status()
@@ -489,3 +555,22 @@ class Supervisor:
         tmp_path.write_text(json.dumps(status, indent=1))
         os.replace(tmp_path, path)
 
+
+
+def _usage(ps: Optional[psutil.Process]) -> tuple[Optional[float], Optional[float]]:
+    """(RSS MiB, CPU % since the previous call) of a process; Nones if it is gone.
+    RSS counts the shared buffers the process has touched, so it overlaps between actors."""
+    if ps is None:
+        return None, None
+    try:
+        with ps.oneshot():
+            return round(ps.memory_info().rss / 2**20, 1), round(ps.cpu_percent(None), 1)
+    except psutil.Error:
+        return None, None
+
+
+def _phase(starting: Optional[dict], now: float) -> Optional[dict]:
+    if starting is None:
+        return None
+    return {"name": starting["name"], "done": starting["done"], "total": starting["total"],
+            "elapsed_s": round(now - starting["since"], 1), "idle_s": round(now - starting["last"], 1)}

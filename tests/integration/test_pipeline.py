@@ -1,11 +1,19 @@
-"""The actor pipeline against the single-process reference trainer (the oracle)."""
+"""The actor pipeline against the single-process reference trainer (the oracle); 2-2
+pipelined as a user runs it: ``launch.py`` with its output in a file, watched with
+``launch.py status``, then plotted."""
 
 import json
+import re
+import subprocess
+import sys
+import time
 from collections import defaultdict
 
 import pytest
-from support.pipeline import assert_same_weights, final_weights, losses, small_config
+from support.pipeline import ROOT, assert_same_weights, final_weights, losses, small_config
 
+from dflash_actors import statusview
+from dflash_actors.config import dump_config
 from dflash_actors.pipeline import Job
 from dflash_actors.reference import train_reference
 from dflash_actors.runtime import trace
@@ -22,8 +30,7 @@ def reference(cache_dir, tmp_path, topology):
     return REFERENCE[m]
 
 
-@pytest.mark.parametrize("topology,schedule", [("1-1", "pipelined"), ("2-2", "pipelined"), ("1-3", "pipelined"),
-                                               ("2-2", "lockstep")])
+@pytest.mark.parametrize("topology,schedule", [("1-1", "pipelined"), ("1-3", "pipelined"), ("2-2", "lockstep")])
 def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology, schedule):
     # 1-1 also runs the periodic evaluator: reading the published weights must not
     # change a bit of the training.
@@ -90,3 +97,82 @@ def test_grad_accumulation_matches_reference(cache_dir, tmp_path):
     ref = train_reference(cfg, progress=False)
     assert losses(tmp_path / "run") == ref.losses
     assert_same_weights(final_weights(tmp_path / "run"), ref.state_dict)
+
+
+STAMPED = re.compile(r"^\[\d\d:\d\d:\d\d\] ")
+
+
+def status_verdict(run_dir) -> int:
+    try:
+        return statusview.verdict(statusview.load(run_dir), time.time())[0]
+    except ValueError:      # not written yet
+        return 2
+
+
+def test_2_2_launched_into_a_file_is_bit_identical_and_reports_well(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    cfg = small_config(cache_dir, run, "2-2", "monitor.log_every_s=1", "monitor.resources_every_s=1")
+    (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
+    with open(tmp_path / "run.log", "w") as log, open(tmp_path / "err.log", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", str(tmp_path / "cfg.yaml")],
+                                stdout=log, stderr=err, cwd=tmp_path)
+    seen = set()
+    try:
+        while proc.poll() is None:
+            seen.add(status_verdict(run))
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, (tmp_path / "err.log").read_text()[-2000:]
+    assert 0 in seen, seen          # healthy while it ran (1 once it stops, 3 once it is gone)
+    assert '"stuck"' not in (run / "events.log").read_text()
+    code, line = statusview.verdict(statusview.load(run), time.time())
+    assert code == 3 and "done" in line, line
+
+    ref = reference(cache_dir, tmp_path, "2-2")
+    assert losses(run) == ref.losses
+    assert_same_weights(final_weights(run), ref.state_dict)
+
+    # The console in a file: whole stamped lines, the last position, then the summary.
+    lines = (tmp_path / "run.log").read_text().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["tokens"] == ref.tokens and summary["step"] == ref.steps
+    assert all(STAMPED.match(x) for x in lines[:-1]) and "\r" not in "".join(lines), lines
+    assert f"step {ref.steps}/{ref.steps} (100%) epoch 2/2 | loss {ref.losses[-1]:.4f} " in lines[-2], lines[-2]
+    assert any("all 6 actors ready" in x for x in lines)
+    phases = {(e["actor"], e["phase"]) for e in map(json.loads, (run / "events.log").read_text().splitlines())
+              if e["event"] == "starting"}
+    assert {("target.1", "load target weights"), ("optimizer.0", "restore weights and optimizer state")} <= phases
+    stages = summary["stages"]
+    assert set(stages) == {"loader", "target", "drafter", "optimizer"}
+    assert stages["drafter"]["busy_s"] > 0 and stages["target"]["tflops"] > 0 and stages["drafter"]["mfu"] is None
+
+    # metrics.jsonl: one step line per step, in order, adding up to the summary.
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, ref.steps + 1))
+    assert [r["loss"] for r in steps] == ref.losses
+    assert sum(r["tokens"] for r in steps) == summary["tokens"]
+    epochs = [r["epoch"] for r in steps]
+    assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] == 1
+    for r in steps:
+        assert len(r["slot_acc"]) == cfg.drafter.block_size - 1 and all(0 <= a <= 1 for a in r["slot_acc"])
+        assert set(r["stages"]) == set(stages) and r["tokens_per_s"] > 0
+    for role in stages:
+        busy = sum(r["stages"][role]["busy_s"] for r in steps)
+        assert busy == pytest.approx(stages[role]["busy_s"], abs=0.01 * len(steps))
+    samples = [r for r in recs if r["kind"] == "resources"]
+    assert samples and set(samples[-1]["actors"]) == {"loader.0", "target.0", "target.1", "drafter.0",
+                                                      "drafter.1", "optimizer.0"}
+    assert any(all((a["rss_mb"] or 0) > 0 for a in x["actors"].values()) for x in samples)
+
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "done" and status["training"]["step"] == ref.steps
+    assert status["training"]["tokens"] == ref.tokens and status["training"]["loss"] == ref.losses[-1]
+
+    pytest.importorskip("matplotlib")
+    from dflash_actors import plot
+    assert plot.main([str(run)]) == 0
+    assert (run / "plot.png").read_bytes()[:4] == b"\x89PNG"

@@ -11,6 +11,7 @@ import psutil
 from support.runtime import assert_exactly_once, events, runtime
 from support.toy import toy_job
 
+from dflash_actors import statusview
 from dflash_actors.runtime.supervisor import JobState
 
 
@@ -39,37 +40,65 @@ def test_three_stage_chain_with_parallel_targets_and_drafters(tmp_path):
     assert sum(a["progress"]["done"] for k, a in status["actors"].items() if k.startswith("target")) == 60
 
 
-def test_status_file_shows_live_pids_and_ring_occupancy(tmp_path):
-    sup, results = toy_job(runtime(tmp_path), n_batches=400, stages=3, work_s=0.01)
+def test_status_file_shows_live_actors_and_a_stopped_one_as_stuck(tmp_path):
+    """status.json while every actor is up; then a SIGSTOPed target: stuck in status.json,
+    in ``launch.py status`` (exit 1, named) and in events.log, yet not restarted (it is
+    below hang_timeout_s); once continued, healthy again."""
+    sup, results = toy_job(runtime(tmp_path, stuck_after_s=0.8), n_batches=100_000, stages=3, work_s=0.005)
+    path = tmp_path / "run" / "status.json"
     seen = {}
 
-    def watch():
-        path = tmp_path / "run" / "status.json"
+    def poll(cond, what):
         end = time.monotonic() + 60
-        while time.monotonic() < end and not sup.dispatcher.finished():
+        while time.monotonic() < end:
             if path.exists():
-                st = json.loads(path.read_text())
-                if all(a["state"] in ("idle", "working") for a in st["actors"].values()):
-                    seen.update(st)
-                    seen["children"] = {p.pid for p in psutil.Process().children()}
-                    sup.request_stop("test done")
-                    return
+                st, verdict = json.loads(path.read_text()), statusview.verdict(statusview.load(path.parent),
+                                                                               time.time())
+                if cond(st, verdict):
+                    return st, verdict
             time.sleep(0.05)
+        raise TimeoutError(what)
+
+    def watch():
+        try:
+            seen["up"], seen["up_verdict"] = poll(lambda st, v: all(a["state"] in ("idle", "working")
+                                                                    for a in st["actors"].values())
+                                                  and st["batches"]["committed"] > 20, "every actor up")
+            seen["children"] = {p.pid for p in psutil.Process().children()}
+            pid = seen["up"]["actors"]["target.0"]["pid"]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                seen["stuck"], seen["stuck_verdict"] = poll(lambda st, v: v[0] == 1, "the stopped target stuck")
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            seen["again"], seen["again_verdict"] = poll(lambda st, v: v[0] == 0, "healthy again")
+        finally:
+            sup.request_stop("test done")
 
     t = threading.Thread(target=watch)
     t.start()
     result = sup.run()
     t.join()
-    assert seen, "status.json never showed every actor up"
-    assert result.state is JobState.STOPPED
-    for a in seen["actors"].values():
+    assert result.state is JobState.STOPPED and "again" in seen, seen.keys()
+    up = seen["up"]
+    assert seen["up_verdict"][0] == 0 and up["supervisor_started"] == psutil.Process().create_time()
+    for a in up["actors"].values():
         assert a["pid"] in seen["children"]
         assert a["restarts"] == 0 and a["heartbeat_age_s"] is not None and a["heartbeat_age_s"] < 5
-        assert set(a) >= {"pid", "state", "restarts", "heartbeat_age_s", "progress", "batch"}
-    assert set(seen["rings"]) == {"batch", "features"}
-    assert seen["rings"]["batch"]["slots"] == 4
+        assert a["rss_mb"] > 0 and a["phase"] is None and a["stuck"] is None and a["busy_s"] > 0
+    assert set(up["rings"]) == {"batch", "features"} and up["rings"]["batch"]["slots"] == 4
     pids = {e["actor"]: e["pid"] for e in events(tmp_path / "run", "spawn")}
-    assert {k: a["pid"] for k, a in seen["actors"].items()} == pids
+    assert {k: a["pid"] for k, a in up["actors"].items()} == pids
+
+    code, line = seen["stuck_verdict"]
+    assert line.startswith("stuck: target.0 no heartbeat for"), line
+    assert seen["stuck"]["actors"]["target.0"]["stuck"].startswith("no heartbeat for")
+    assert [e["actor"] for e in events(tmp_path / "run", "stuck")] == ["target.0"]
+    assert [e["actor"] for e in events(tmp_path / "run", "unstuck")] == ["target.0"]
+    assert not events(tmp_path / "run", "died") and seen["again"]["actors"]["target.0"]["stuck"] is None
+    # Each stage timed its work on every batch it committed (toy work: work_s each).
+    done = result.committed
+    assert done and (sup.work_times[done] >= 0.005).all()
 
 
 def test_sigterm_drains_in_flight_work_and_calls_the_stop_hook(tmp_path):
