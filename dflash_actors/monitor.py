@@ -12,7 +12,7 @@
 
 metrics.jsonl, one JSON object a line, told apart by ``kind``::
 
-    step       step (steps done after it, 1-based), epoch, time (unix), loss, tau (simulated),
+    step       step (steps done after it, 1-based), epoch (1-based), time (unix), loss, tau (simulated),
                slot_acc [B-1] (training accuracy of draft positions 1..B-1), lr, grad_norm,
                tokens, tokens_per_s (over the step's interval), skipped (non-finite),
                stages {role: {busy_s, wait_s}}: busy_s = the seconds that role's work took
@@ -148,7 +148,7 @@ class Monitor:
             for (role, count), b in zip(self.stages, busy):
                 stages[role] = {"busy_s": round(b, 4), "wait_s": round(max(0.0, count * interval - b), 4)}
         skipped = bool(row["skipped"])
-        return {"kind": "step", "step": s + 1, "epoch": sched.epoch_of_step(s), "time": round(row["time"], 3),
+        return {"kind": "step", "step": s + 1, "epoch": sched.epoch_of_step(s) + 1, "time": round(row["time"], 3),
                 "loss": None if skipped else row["loss"], "tau": None if skipped else row["tau"],
                 "slot_acc": stats.metrics()["slot_acc"], "lr": row["lr"], "grad_norm": _finite(row["grad_norm"]),
                 "tokens": int(row["tokens"]), "tokens_per_s": round(row["tokens"] / interval, 1),
@@ -169,7 +169,7 @@ class Monitor:
         last = dict(zip(STEP_COLS, table[self.next - 1].tolist())) if self.next > self.first else {}
         skipped = int(table[self.first:self.next, STEP_COLS.index("skipped")].sum())
         return {"step": step, "total_steps": self.schedule.total_steps,
-                "epoch": self.schedule.epoch_of_step(min(step, self.schedule.total_steps)),
+                "epoch": min(self.schedule.epoch_of_step(step) + 1, len(self.schedule.steps_per_epoch)),
                 "total_epochs": len(self.schedule.steps_per_epoch),
                 "loss": _finite(last.get("loss")), "simulated_tau": _finite(last.get("tau")), "lr": last.get("lr"),
                 "tokens": self.tokens, "tokens_per_s": _round(overall), "tokens_per_s_30s": _round(recent),
@@ -270,7 +270,7 @@ def progress_line(t: dict, restarts: int) -> str:
     lr = f"{t['lr']:.1e}" if t["lr"] is not None else "-"
     rate = t["tokens_per_s_30s"] if t["tokens_per_s_30s"] is not None else t["tokens_per_s"]
     return (f"step {t['step']}/{t['total_steps']} ({100 * t['step'] / max(t['total_steps'], 1):.0f}%) "
-            f"epoch {min(t['epoch'] + 1, t['total_epochs'])}/{t['total_epochs']} | loss {loss} tau {tau} lr {lr} | "
+            f"epoch {t['epoch']}/{t['total_epochs']} | loss {loss} tau {tau} lr {lr} | "
             f"{rate or 0:.0f} tok/s | eta {console.hms(t['eta_s'])} | {restarts} restarts"
             + (f" | {t['skipped_steps']} skipped steps" if t["skipped_steps"] else ""))
 

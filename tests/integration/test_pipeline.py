@@ -156,7 +156,7 @@ def test_2_2_launched_into_a_file_is_bit_identical_and_reports_well(cache_dir, t
     assert [r["loss"] for r in steps] == ref.losses
     assert sum(r["tokens"] for r in steps) == summary["tokens"]
     epochs = [r["epoch"] for r in steps]
-    assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] == 1
+    assert epochs == sorted(epochs) and epochs[0] == 1 and epochs[-1] == 2
     for r in steps:
         assert len(r["slot_acc"]) == cfg.drafter.block_size - 1 and all(0 <= a <= 1 for a in r["slot_acc"])
         assert set(r["stages"]) == set(stages) and r["tokens_per_s"] > 0

@@ -75,7 +75,7 @@ def test_one_step_line_per_step_adding_up(tmp_path):
     m.close()
     steps = lines(tmp_path, "step")
     assert [s["step"] for s in steps] == [1, 2, 3]
-    assert [s["epoch"] for s in steps] == [0, 0, 1]
+    assert [s["epoch"] for s in steps] == [1, 1, 2]
     assert [s["tokens_per_s"] for s in steps] == [200.0, 200.0, 400.0]
     assert steps[0]["slot_acc"] == [0.5, 0.25, 0.0]
     assert steps[0]["stages"]["drafter"] == {"busy_s": 4.0, "wait_s": 0.0}         # 2 drafters x 2 s
@@ -150,10 +150,28 @@ def test_console_lines_are_whole_and_stamped(capsys, monkeypatch):
 
 
 def test_progress_and_starting_lines():
-    t = {"step": 42, "total_steps": 160, "epoch": 9, "total_epochs": 40, "loss": 5.12345, "simulated_tau": 1.5,
+    t = {"step": 42, "total_steps": 160, "epoch": 10, "total_epochs": 40, "loss": 5.12345, "simulated_tau": 1.5,
          "lr": 3e-4, "tokens_per_s": 2800.0, "tokens_per_s_30s": 3012.4, "eta_s": 38.0, "skipped_steps": 1}
     assert progress_line(t, 2) == ("step 42/160 (26%) epoch 10/40 | loss 5.1235 tau 1.50 lr 3.0e-04 | 3012 tok/s "
                                    "| eta 0:00:38 | 2 restarts | 1 skipped steps")
     st = {"actors": {"loader.0": {"phase": None},
                      "target.0": {"phase": {"name": "load target weights", "done": 3, "total": 12, "elapsed_s": 4.4}}}}
     assert starting_line(st, 1) == "starting: 1/2 actors ready; target.0 load target weights (3/12) 4 s"
+
+
+def test_tensorboard_scalars_when_installed(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    sched, shared, work = job(tmp_path)
+    m = Monitor(config(tmp_path, tensorboard=True), sched, shared, 0, enabled=False)
+    m.watch(work, STAGES)
+    m(status())
+    for s in range(3):
+        finish_step(shared, sched, s, m.t_train + s + 1)
+    m(status())
+    m.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("train/loss")] == [(1, 4.0), (2, 4.0), (3, 4.0)]
+    assert [e.value for e in acc.Scalars("perf/busy_s/drafter")] == [4.0, 4.0, 4.0]
+    assert "train/slot_acc/3" in acc.Tags()["scalars"]
