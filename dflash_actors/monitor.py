@@ -17,7 +17,9 @@ metrics.jsonl, one JSON object a line, told apart by ``kind``::
                tokens, tokens_per_s (over the step's interval), skipped (non-finite),
                stages {role: {busy_s, wait_s}}: busy_s = the seconds that role's work took
                on this step's batches (``Supervisor.work_times``), wait_s = its actors'
-               remaining capacity over the step's interval (count x interval - busy_s)
+               remaining capacity over the step's interval (count x interval - busy_s).
+               The interval runs from the previous step's end (the first: from when
+               every actor was ready); tokens_per_s and wait_s are null where there is none
     resources  time, step, actors {id: {pid, rss_mb, cpu_pct, gpu_mem_mb, busy_pct}} (busy
                since the previous sample), supervisor {rss_mb, cpu_pct}, host {cpu_pct,
                mem_used_mb, mem_total_mb}, gpus [{index, util_pct, mem_used_mb}] (with pynvml)
@@ -137,8 +139,10 @@ class Monitor:
         sched = self.schedule
         shards = [sched.drafter_batches(s, j) for j in range(sched.num_drafters)]
         stats, _ = fold_step(self.shared.batch_stats, shards)
-        interval = max(row["time"] - self.t_prev, 1e-9)
-        self.t_prev = row["time"]
+        # A step that ended before the monitor saw every actor ready has no interval it
+        # can measure: its rate and its stages' idle time are left out (null).
+        interval = row["time"] - self.t_prev if row["time"] > self.t_prev else None
+        self.t_prev = max(self.t_prev, row["time"])
         self.tokens += int(row["tokens"])
         self.rates.append((row["time"], int(row["tokens"])))
         batches = range(sched.first_of_step(s), sched.first_of_step(s + 1))
@@ -146,12 +150,13 @@ class Monitor:
         if self.work_times is not None:
             busy = self.work_times[batches.start:batches.stop].sum(0).tolist()
             for (role, count), b in zip(self.stages, busy):
-                stages[role] = {"busy_s": round(b, 4), "wait_s": round(max(0.0, count * interval - b), 4)}
+                stages[role] = {"busy_s": round(b, 4),
+                                "wait_s": round(max(0.0, count * interval - b), 4) if interval else None}
         skipped = bool(row["skipped"])
         return {"kind": "step", "step": s + 1, "epoch": sched.epoch_of_step(s) + 1, "time": round(row["time"], 3),
                 "loss": None if skipped else row["loss"], "tau": None if skipped else row["tau"],
                 "slot_acc": stats.metrics()["slot_acc"], "lr": row["lr"], "grad_norm": _finite(row["grad_norm"]),
-                "tokens": int(row["tokens"]), "tokens_per_s": round(row["tokens"] / interval, 1),
+                "tokens": int(row["tokens"]), "tokens_per_s": round(row["tokens"] / interval, 1) if interval else None,
                 "skipped": skipped, "stages": stages}
 
     def _training(self, status: dict, step: int, now: float) -> dict:
@@ -269,21 +274,25 @@ def progress_line(t: dict, restarts: int) -> str:
     tau = f"{t['simulated_tau']:.2f}" if t["simulated_tau"] is not None else "-"
     lr = f"{t['lr']:.1e}" if t["lr"] is not None else "-"
     rate = t["tokens_per_s_30s"] if t["tokens_per_s_30s"] is not None else t["tokens_per_s"]
+    rate = f"{rate:.0f}" if rate is not None else "-"
     return (f"step {t['step']}/{t['total_steps']} ({100 * t['step'] / max(t['total_steps'], 1):.0f}%) "
             f"epoch {t['epoch']}/{t['total_epochs']} | loss {loss} tau {tau} lr {lr} | "
-            f"{rate or 0:.0f} tok/s | eta {console.hms(t['eta_s'])} | {restarts} restarts"
+            f"{rate} tok/s | eta {console.hms(t['eta_s'])} | {restarts} restarts"
             + (f" | {t['skipped_steps']} skipped steps" if t["skipped_steps"] else ""))
 
 
 def starting_line(status: dict, ready: int) -> str:
-    """``starting: 4/6 actors ready; target.0 load target weights (3/12) 14 s, ...``"""
-    waiting = []
+    """``starting: 4/6 actors ready | load target weights: target.0 3/12, target.1 (14 s)``:
+    the actors not ready yet, by phase, with the longest time spent in it."""
+    phases: dict[str, list] = {}
     for a, st in status["actors"].items():
         p = st.get("phase")
         if p is not None:
-            counts = f" ({p['done']}/{p['total']})" if p.get("total") else ""
-            waiting.append(f"{a} {p['name']}{counts} {p['elapsed_s']:.0f} s")
-    return f"starting: {ready}/{len(status['actors'])} actors ready; " + ", ".join(waiting)
+            counts = f" {p['done']}/{p['total']}" if p.get("total") else ""
+            phases.setdefault(p["name"], []).append((f"{a}{counts}", p["elapsed_s"]))
+    groups = [f"{name}: {', '.join(a for a, _ in who)} ({max(t for _, t in who):.0f} s)"
+              for name, who in phases.items()]
+    return " | ".join([f"starting: {ready}/{len(status['actors'])} actors ready", *groups])
 
 
 # -- the end of a run ---------------------------------------------------------------

@@ -115,3 +115,13 @@ def test_wrong_layer_mapping_stops_the_job_before_training(tmp_path, cache_dir, 
     assert len(err) == 1 and "target.self_check: layer 2 features differ" in err[0], err
     assert not (run_dir / "checkpoints").exists() or all(
         p.name == "step-0000000" for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_status_subcommand_reads_the_run_dir(tmp_path, capsys):
+    assert launch.main(["status", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    gone = 2**22 + 1            # above Linux's largest pid
+    (tmp_path / "status.json").write_text(json.dumps({"state": "done", "supervisor_pid": gone,
+                                                      "actors": {}, "training": {"step": 4, "total_steps": 4}}))
+    assert launch.main(["status", str(tmp_path)]) == 3
+    assert capsys.readouterr().out.startswith(f"not running: supervisor {gone} is gone; last state: done at step 4/4")

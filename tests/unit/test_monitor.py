@@ -87,6 +87,17 @@ def test_one_step_line_per_step_adding_up(tmp_path):
     assert tr["loss"] == pytest.approx(4.0)
 
 
+def test_a_step_done_before_the_monitor_saw_it_start_has_no_rate(tmp_path):
+    sched, shared, work = job(tmp_path)
+    m = Monitor(config(tmp_path), sched, shared, 0, enabled=False)
+    m.watch(work, STAGES)
+    finish_step(shared, sched, 0, 1.0)      # long before the first look
+    m(status())
+    m.close()
+    (step,) = lines(tmp_path, "step")
+    assert step["tokens_per_s"] is None and step["stages"]["target"] == {"busy_s": 2.0, "wait_s": None}
+
+
 def test_a_resumed_run_starts_its_lines_at_its_checkpoint(tmp_path):
     sched, shared, work = job(tmp_path)
     shared.weights.version = 2
@@ -154,9 +165,13 @@ def test_progress_and_starting_lines():
          "lr": 3e-4, "tokens_per_s": 2800.0, "tokens_per_s_30s": 3012.4, "eta_s": 38.0, "skipped_steps": 1}
     assert progress_line(t, 2) == ("step 42/160 (26%) epoch 10/40 | loss 5.1235 tau 1.50 lr 3.0e-04 | 3012 tok/s "
                                    "| eta 0:00:38 | 2 restarts | 1 skipped steps")
+    load = {"name": "load target weights", "done": None, "total": None, "elapsed_s": 4.4}
     st = {"actors": {"loader.0": {"phase": None},
-                     "target.0": {"phase": {"name": "load target weights", "done": 3, "total": 12, "elapsed_s": 4.4}}}}
-    assert starting_line(st, 1) == "starting: 1/2 actors ready; target.0 load target weights (3/12) 4 s"
+                     "target.0": {"phase": {**load, "done": 3, "total": 12}},
+                     "target.1": {"phase": {**load, "elapsed_s": 6.0}},
+                     "drafter.0": {"phase": {**load, "name": "build drafter"}}}}
+    assert starting_line(st, 1) == ("starting: 1/4 actors ready | load target weights: target.0 3/12, target.1 (6 s) "
+                                    "| build drafter: drafter.0 (4 s)")
 
 
 def test_tensorboard_scalars_when_installed(tmp_path):
