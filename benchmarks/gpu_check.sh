@@ -20,3 +20,14 @@ python3 launch.py --topology 2-2 --run-dir /tmp/gpu-2-2 "${common[@]}" \
   --set 'topology.target_devices=[cuda:0, cuda:0]' --set 'topology.drafter_devices=[cuda:0, cuda:0]' 2>&1 | tee "$OUT/pipeline_2_2.log"
 python3 -m dflash_actors.reference --topology 2-2 "${common[@]}" 2>&1 | tail -1 | tee "$OUT/reference_2_2.log"
 cp /tmp/gpu-2-2/events.log "$OUT/events_2_2.log" 2>/dev/null || true
+# 3. the operator view on CUDA: GPU memory per actor in status.json and metrics.jsonl,
+#    MFU against the device's peak in the summary (the H200 is in monitor.PEAK_TFLOPS)
+cp /tmp/gpu-2-2/status.json /tmp/gpu-2-2/summary.json "$OUT/" 2>/dev/null || true
+python3 - <<'PY' 2>&1 | tee "$OUT/monitor_2_2.log"
+import json
+recs = [json.loads(x) for x in open("/tmp/gpu-2-2/metrics.jsonl")]
+gpu = {a: v["gpu_mem_mb"] for r in recs if r["kind"] == "resources" for a, v in r["actors"].items() if v["gpu_mem_mb"]}
+stages = json.load(open("/tmp/gpu-2-2/summary.json"))["stages"]
+print(json.dumps({"check": "monitor", "gpu_mem_mb": gpu, "gpus": [r.get("gpus") for r in recs if r["kind"] == "resources"][-1:],
+                  "target": stages.get("target"), "drafter": stages.get("drafter")}))
+PY
