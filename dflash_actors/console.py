@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 import time
 from typing import Optional
 
 from tqdm import tqdm
+
+from .runtime.actor import every
 
 MODES = ("auto", "bar", "lines", "off")
 DELAY_S = 1.0       # a phase shorter than this prints nothing
@@ -60,7 +61,7 @@ def progress(total: Optional[int], desc: str, unit: str = "it", enabled: bool = 
         return tqdm(total=total, disable=True)
     if _mode == "bar":
         return tqdm(total=total, desc=desc, unit=unit, delay=DELAY_S, dynamic_ncols=True, **tqdm_args)
-    return Lines(total, desc, unit, _every_s, initial=tqdm_args.get("initial", 0))
+    return Lines(total, desc, unit, _every_s)
 
 
 @contextlib.contextmanager
@@ -71,22 +72,11 @@ def phase(desc: str, enabled: bool = True):
     if not enabled or mode() == "off":
         yield
         return
-    t0, done = time.monotonic(), threading.Event()
-
-    def tick():
-        wait = DELAY_S
-        while not done.wait(wait):
-            say(f"{desc}: {time.monotonic() - t0:.0f} s so far")
-            wait = _every_s
-    t = threading.Thread(target=tick, daemon=True)
-    t.start()
-    try:
+    t0 = time.monotonic()
+    with every(_every_s, lambda: say(f"{desc}: {time.monotonic() - t0:.0f} s so far"), first_s=DELAY_S):
         yield
-    finally:
-        done.set()
-        t.join()
-        if time.monotonic() - t0 >= DELAY_S:
-            say(f"{desc}: done in {time.monotonic() - t0:.1f} s")
+    if time.monotonic() - t0 >= DELAY_S:
+        say(f"{desc}: done in {time.monotonic() - t0:.1f} s")
 
 
 def rate_eta(done: float, total: Optional[float], elapsed: float) -> str:
@@ -116,9 +106,9 @@ class Lines:
     """tqdm's interface, printing whole lines: after ``DELAY_S``, then every ``every_s``,
     and once at the end if anything was printed or the phase took over ``DELAY_S``."""
 
-    def __init__(self, total: Optional[int], desc: str, unit: str, every_s: float, initial: int = 0):
+    def __init__(self, total: Optional[int], desc: str, unit: str, every_s: float):
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
-        self.n = self.initial = initial
+        self.n = 0
         self.t0 = time.monotonic()
         self.next = self.t0 + DELAY_S
         self.printed = False
@@ -131,14 +121,10 @@ class Lines:
             self._line(now)
             self.next = now + self.every_s
 
-    def set_postfix(self, *args, **kwargs) -> None:
-        """tqdm's postfix: a line mode has no status line to decorate."""
-
     def _line(self, now: float, end: bool = False) -> None:
         of = f"/{_si(self.total)}" if self.total else ""
         pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
-        left = self.total - self.initial if self.total else None
-        how = f"done in {now - self.t0:.1f} s" if end else rate_eta(self.n - self.initial, left, now - self.t0)
+        how = f"done in {now - self.t0:.1f} s" if end else rate_eta(self.n, self.total, now - self.t0)
         print(f"[{stamp()}] {self.desc}: {_si(self.n)}{of} {self.unit}{pct}, {how}", flush=True)
         self.printed = True
 

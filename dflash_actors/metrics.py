@@ -16,6 +16,7 @@ the per-step loss can be compared bit for bit with the reference trainer.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -80,3 +81,8 @@ def bad_run(table: torch.Tensor, step: int) -> int:
 
 def read_steps(table: torch.Tensor) -> list[dict]:
     return [dict(zip(STEP_COLS, r.tolist())) for r in table if r[-1] == 1.0]
+
+
+def finite(x):
+    """``x``, or None when it is NaN or infinite: what strict JSON can hold."""
+    return x if x is None or math.isfinite(x) else None

@@ -51,7 +51,7 @@ import torch
 
 from . import console
 from .costmodel import ModelShape, Workload, drafter_flops_per_batch, target_flops_per_batch
-from .metrics import STEP_COLS, fold_step
+from .metrics import STEP_COLS, finite, fold_step
 from .schedule import Schedule
 
 RATE_WINDOW_S = 30.0
@@ -155,7 +155,7 @@ class Monitor:
         skipped = bool(row["skipped"])
         return {"kind": "step", "step": s + 1, "epoch": sched.epoch_of_step(s) + 1, "time": round(row["time"], 3),
                 "loss": None if skipped else row["loss"], "tau": None if skipped else row["tau"],
-                "slot_acc": stats.metrics()["slot_acc"], "lr": row["lr"], "grad_norm": _finite(row["grad_norm"]),
+                "slot_acc": stats.metrics()["slot_acc"], "lr": row["lr"], "grad_norm": finite(row["grad_norm"]),
                 "tokens": int(row["tokens"]), "tokens_per_s": round(row["tokens"] / interval, 1) if interval else None,
                 "skipped": skipped, "stages": stages}
 
@@ -176,7 +176,7 @@ class Monitor:
         return {"step": step, "total_steps": self.schedule.total_steps,
                 "epoch": min(self.schedule.epoch_of_step(step) + 1, len(self.schedule.steps_per_epoch)),
                 "total_epochs": len(self.schedule.steps_per_epoch),
-                "loss": _finite(last.get("loss")), "simulated_tau": _finite(last.get("tau")), "lr": last.get("lr"),
+                "loss": finite(last.get("loss")), "simulated_tau": finite(last.get("tau")), "lr": last.get("lr"),
                 "tokens": self.tokens, "tokens_per_s": _round(overall), "tokens_per_s_30s": _round(recent),
                 "eta_s": _round(eta), "skipped_steps": skipped}
 
@@ -367,10 +367,6 @@ def _gpus() -> list[dict]:
 
 def _sig(x: float) -> float:
     return float(f"{x:.4g}")
-
-
-def _finite(x):
-    return x if x is None or x == x and abs(x) != float("inf") else None
 
 
 def _round(x: Optional[float]) -> Optional[float]:

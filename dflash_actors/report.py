@@ -6,14 +6,13 @@ line on stdout and a readable line, with the per-stage accounting, on stderr.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 from .checkpoint import latest_checkpoint
-from .metrics import read_steps
+from .metrics import finite, read_steps
 
 
 def _tokens(steps: list[dict]) -> int:
@@ -36,10 +35,10 @@ def finish(run_dir: Path, reason: str, step: int, total_steps: int, resumed_from
         "skipped_steps": [resumed_from + i for i, s in enumerate(steps) if s["skipped"]],
         "stages": stages,
     }
-    summary["loss"], summary["simulated_tau"] = _finite(summary["loss"]), _finite(summary["simulated_tau"])
+    summary["loss"], summary["simulated_tau"] = finite(summary["loss"]), finite(summary["simulated_tau"])
     # Strict JSON: a skipped step's NaN loss is written as null, not as a bare NaN.
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
-    (run_dir / "losses.json").write_text(json.dumps([_finite(s["loss"]) for s in steps], allow_nan=False))
+    (run_dir / "losses.json").write_text(json.dumps([finite(s["loss"]) for s in steps], allow_nan=False))
     print(json.dumps(summary), flush=True)
     if verbose:
         loss = f"{summary['loss']:.4f}" if summary["loss"] is not None else "-"
@@ -64,7 +63,3 @@ def stage_lines(stages: dict) -> list[str]:
             line += f"  MFU {100 * st['mfu']:.1f}%" if st.get("mfu") is not None else ""
         out.append(line)
     return out
-
-
-def _finite(x):
-    return x if x is None or math.isfinite(x) else None

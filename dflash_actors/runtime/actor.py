@@ -224,18 +224,28 @@ class Actor:
     def beating(self):
         """Beat from a thread while one long blocking call runs (a multi-GB checkpoint
         write has no loop to beat from). Use sparingly: inside it, a hang is not seen."""
-        done = threading.Event()
-
-        def loop():
-            while not done.wait(self.ctx.heartbeat_s):
-                self.beat()
-        t = threading.Thread(target=loop, daemon=True)
-        t.start()
-        try:
+        with every(self.ctx.heartbeat_s, self.beat):
             yield
-        finally:
-            done.set()
-            t.join()
+
+
+@contextlib.contextmanager
+def every(interval_s: float, fn, first_s: Optional[float] = None):
+    """Call ``fn()`` from a thread every ``interval_s`` (the first time after
+    ``first_s``, if given) while the block runs; it is not called once the block ends."""
+    done = threading.Event()
+
+    def loop():
+        wait = interval_s if first_s is None else first_s
+        while not done.wait(wait):
+            fn()
+            wait = interval_s
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
 
 
 def actor_main(cls: type, ctx: ActorContext) -> None:

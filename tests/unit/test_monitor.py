@@ -3,6 +3,7 @@ the status.json training block, resource samples, the summary's stage accounting
 the console's plain lines."""
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -190,3 +191,16 @@ def test_tensorboard_scalars_when_installed(tmp_path):
     assert [(e.step, round(e.value, 4)) for e in acc.Scalars("train/loss")] == [(1, 4.0), (2, 4.0), (3, 4.0)]
     assert [e.value for e in acc.Scalars("perf/busy_s/drafter")] == [4.0, 4.0, 4.0]
     assert "train/slot_acc/3" in acc.Tags()["scalars"]
+
+
+def test_a_phase_without_counts_says_it_goes_on_then_that_it_is_done(capsys, monkeypatch):
+    monkeypatch.setattr(console, "_mode", "lines")
+    monkeypatch.setattr(console, "_every_s", 0.05)
+    monkeypatch.setattr(console, "DELAY_S", 0.05)
+    with console.phase("build drafter"):
+        time.sleep(0.3)
+    with console.phase("quick"):
+        pass
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) >= 3 and all(x.endswith(" s so far") and "] build drafter: " in x for x in out[:-1])
+    assert "] build drafter: done in 0.3 s" in out[-1]
