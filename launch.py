@@ -3,6 +3,10 @@
 ``python launch.py status RUN_DIR [--watch]`` shows how a run is doing, from another
 terminal (``statusview``): exit 0 healthy, 1 stuck or stopping, 3 not running.
 
+Several machines: one ``launch.py`` on each, with ``--nnodes K --node-rank R --master
+ADDR:PORT``, or under ``torchrun --nproc-per-node 1`` or ``srun --ntasks-per-node 1``
+(``cluster``). Node R > 0 keeps its status and logs in ``RUN_DIR/node-R``.
+
 Thin on purpose: parse arguments, build and check the config, hand over to the
 pipeline. Bad input exits with status 2 and one line, before any actor starts and
 without writing to the run directory; so does a run directory that another job holds.
@@ -36,6 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="inject random faults (kills, exits, exceptions, segfaults, hangs, slow work) into "
                          "every actor, seeded; the run must still end as a clean one would (runtime.faults)")
     ap.add_argument("--chaos-faults", type=int, default=10, metavar="N", help="with --chaos: how many (default 10)")
+    nodes = ap.add_argument_group("several machines (or read from torchrun's or SLURM's environment)")
+    nodes.add_argument("--nnodes", type=int, metavar="K", help="machines in the run, one launch.py on each")
+    nodes.add_argument("--node-rank", type=int, metavar="R", help="this machine's rank, 0..K-1")
+    nodes.add_argument("--master", metavar="ADDR:PORT", help="node 0's address and a free port (its rendezvous)")
     # --config left out reads as None (the help still shows the default), so that a
     # resume can tell "not given" from "given the default".
     return ap.parse_args(argv, argparse.Namespace(config=None))
@@ -65,7 +73,7 @@ def keep_batches_per_step(args: argparse.Namespace, cfg, run_dir: list[str]):
     saved = Path(args.resume) / SAVED_CONFIG
     if not saved.is_file() or any(o.partition("=")[0].strip() == "train.grad_accum" for o in args.overrides):
         return cfg
-    accum = adapt_grad_accum(yaml.safe_load(saved.read_text()), cfg.topology.num_drafters)
+    accum = adapt_grad_accum(yaml.safe_load(saved.read_text()), cfg.topology.num_drafters * cfg.topology.nodes)
     if accum is None or accum == cfg.train.grad_accum:
         return cfg
     return config_from_args(args, *run_dir, f"train.grad_accum={accum}")
@@ -100,8 +108,20 @@ def main(argv=None) -> int:
         print("error: --run-dir and --resume name different directories", file=sys.stderr)
         return 2
     given = args.resume if args.resume is not None else args.run_dir
+    try:
+        from dflash_actors.cluster import node_spec
+        node = node_spec(args.nnodes, args.node_rank, args.master)
+        if any(o.partition("=")[0].strip() == "topology.nodes" for o in args.overrides):
+            raise ValueError("topology.nodes: set by --nnodes or the torchrun/SLURM environment, not --set")
+        if node.rank and given:     # node k keeps its own files in a folder of the run's
+            given = str(Path(given) / f"node-{node.rank}")
+            args.resume = given if args.resume is not None else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # An empty --run-dir/--resume goes to the config check, which refuses it by name.
     run_dir = [f"runtime.run_dir='{given.replace(chr(39), chr(39) * 2)}'"] if given is not None else []
+    run_dir.append(f"topology.nodes={node.nodes}")
     try:
         if args.resume == "":
             raise ValueError("--resume: needs the run directory to continue (got an empty path)")
@@ -114,6 +134,9 @@ def main(argv=None) -> int:
         elif args.devices is not None:
             raise ValueError("--devices: only with --topology auto")
         cfg = config_from_args(args, *run_dir)
+        if node.rank and given is None:
+            run_dir[:0] = [f"runtime.run_dir={Path(cfg.runtime.run_dir) / f'node-{node.rank}'}"]
+            cfg = config_from_args(args, *run_dir)
         if args.resume is not None:
             cfg = keep_batches_per_step(args, cfg, run_dir)
         if args.chaos is not None:
@@ -133,7 +156,7 @@ def main(argv=None) -> int:
         from dflash_actors import console
         from dflash_actors.pipeline import Job
         console.setup(cfg.monitor.console, cfg.monitor.log_every_s)
-        job = Job(cfg, resume=args.resume is not None)
+        job = Job(cfg, resume=args.resume is not None, node=node)
     except (ValueError, OSError) as e:   # ConfigError, DatasetError, ResumeError are ValueErrors
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

@@ -268,7 +268,7 @@ def trainer_state(cfg, schedule, store, version: int) -> dict:
     """
     exp_avg, exp_avg_sq = (t.clone() for t in store.moments_flat(version))
     return {
-        "step": version, "epoch": schedule.epoch_of_step(version), "next_batch": schedule.first_of_step(version),
+        "step": version, "epoch": schedule.epoch_of_step(version), "next_batch": version * schedule.batches_per_step,
         "total_steps": schedule.total_steps, "batches_applied": store.applied(version),
         "optimizer": {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_names": list(store.layout.names),
                       "adam_step": version},
@@ -288,14 +288,23 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-PER_STEP = "batches per step (train.grad_accum * topology.num_drafters)"
+PER_STEP = "batches per step (train.grad_accum * topology.num_drafters * topology.nodes)"
 """What a step consumes: the math's unit. A resume may trade drafters for accumulation
 (2 drafters x 1 batch = 1 drafter x 2 batches) with the same data order and optimizer
 state; only the order in which the gradient sum is added up changes."""
 
 
+PER_STEP_PARTS = ("train.grad_accum", "topology.num_drafters", "topology.nodes")
+
+
+def _drafters(flat: dict):
+    """All drafters of the run: per node times nodes (saved before nodes existed: one)."""
+    m = flat.get("topology.num_drafters")
+    return m * flat.get("topology.nodes", 1) if m is not None else None
+
+
 def _per_step(flat: dict):
-    ga, m = flat.get("train.grad_accum"), flat.get("topology.num_drafters")
+    ga, m = flat.get("train.grad_accum"), _drafters(flat)
     return ga * m if ga is not None and m is not None else None
 
 
@@ -304,14 +313,14 @@ def math_changes(saved: dict, current: dict) -> list[str]:
     a, b = _flatten(saved), _flatten(current)
     a[PER_STEP], b[PER_STEP] = _per_step(a), _per_step(b)
     keys = sorted(set(a) | set(b))
-    return [k for k in keys if a.get(k) != b.get(k) and k not in ("train.grad_accum", "topology.num_drafters")
+    return [k for k in keys if a.get(k) != b.get(k) and k not in PER_STEP_PARTS
             and (not k.startswith(RESUME_FREE) or k.startswith(NOT_FREE))]
 
 
 def drafter_change(saved: dict, current: dict) -> str | None:
     """The one line a resume on another number of drafters prints (None: same number)."""
     a, b = _flatten(saved), _flatten(current)
-    m0, m1 = a.get("topology.num_drafters"), b.get("topology.num_drafters")
+    m0, m1 = _drafters(a), _drafters(b)
     if m0 == m1:
         return None
     return (f"resuming a run of {m0} drafter(s) on {m1}: train.grad_accum {a.get('train.grad_accum')} -> "
@@ -322,11 +331,11 @@ def drafter_change(saved: dict, current: dict) -> str | None:
 
 def adapt_grad_accum(saved: dict, num_drafters: int) -> int | None:
     """The ``train.grad_accum`` that keeps a saved run's batches per step on
-    ``num_drafters`` drafters (None: the same count as saved, nothing to adapt);
+    ``num_drafters`` drafters in all (None: the same count as saved, nothing to adapt);
     ValueError if that many drafters cannot split a step evenly."""
     a = _flatten(saved)
     per_step = _per_step(a)
-    if per_step is None or a.get("topology.num_drafters") == num_drafters:
+    if per_step is None or _drafters(a) == num_drafters:
         return None
     if per_step % num_drafters:
         raise ResumeError(f"topology: the run's steps hold {per_step} batches each, which {num_drafters} drafters "

@@ -164,6 +164,9 @@ class TrainConfig:
 class TopologyConfig:
     num_targets: int = checked(1, at_least(1))
     num_drafters: int = checked(1, at_least(1))
+    nodes: int = checked(1, at_least(1))
+    """Machines, each running this N-M topology with its own supervisor (``cluster``);
+    ``launch.py`` sets it from ``--nnodes`` or the torchrun/SLURM environment."""
     target_devices: Optional[tuple[str, ...]] = None
     """None = cuda:0..N-1 when enough GPUs exist, else cpu."""
     drafter_devices: Optional[tuple[str, ...]] = None

@@ -187,8 +187,12 @@ class GradAccumulators:
         """How many batches drafter j's active sum holds."""
         return (int(self.head[j]) >> 1) & _COUNT_MASK
 
+    def active_flat(self, j: int) -> torch.Tensor:
+        """Drafter j's committed running sum as one flat ``[P]`` view."""
+        return self.grads[j, int(self.head[j]) & 1]
+
     def active(self, j: int) -> list[torch.Tensor]:
-        return self.layout.views(self.grads[j, int(self.head[j]) & 1])
+        return self.layout.views(self.active_flat(j))
 
     def commit(self, j: int, batch_id: int, grads: list[torch.Tensor], first: bool = True) -> None:
         """Store the running sum that now includes ``batch_id``, then flip the header;

@@ -19,6 +19,14 @@ next attempt starts from the newest checkpoint that verifies (version 0 if none 
 at most ``runtime.max_restarts`` times.
 With ``eval.every`` set, an ``evaluator`` process beside the supervisor reads the
 published weights and appends held-out metrics to ``metrics.jsonl``.
+
+Across machines (``topology.nodes`` > 1, ``cluster``) each machine runs one Job for
+its node: before anything spawns, every node meets the others and checks they run the
+same job, node 0 loads the starting point and sends it to the rest, and a ``Link``
+thread beside the supervisor makes each step's cross-node exchange. Only node 0 writes
+checkpoints and runs the evaluator; a lost node fails the job on the others (node 0
+still writes its final checkpoint: its state is consistent). A rollback would need
+every node, so across machines it ends the job instead; ``--resume`` on all continues.
 """
 
 from __future__ import annotations
@@ -46,12 +54,14 @@ from .checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_trainer_state,
+    math_changes,
     newest_usable,
     remove_partial,
     save_checkpoint,
     trainer_state,
     verified_checkpoint,
 )
+from .cluster import Link, NodeSpec, digest
 from .config import Config, ConfigError, dump_config
 from .models.drafter import DFlashDrafter, build_drafter
 from .models.head import target_info
@@ -154,10 +164,15 @@ class Job:
     is valid, and then only the lock file (a refused resume leaves just that); ``run``
     does the rest and releases the lock."""
 
-    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True, node: Optional[NodeSpec] = None):
         self.t0 = time.perf_counter()
         self.cfg, self.run_dir, self.progress = cfg, Path(cfg.runtime.run_dir), progress
+        self.node = node = node or NodeSpec()
+        self.link: Optional[Link] = None
         self.accounts: dict = {}
+        if cfg.topology.nodes != node.nodes:
+            raise ConfigError(f"topology.nodes: {cfg.topology.nodes}, but this launch is {node.describe()}; "
+                              "launch.py sets it from --nnodes or the torchrun/SLURM environment")
         rundir.check(self.run_dir)
         check_faults(cfg.runtime.faults, wiring.actor_classes(cfg))
         self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
@@ -165,7 +180,7 @@ class Job:
             self.target = target_info(cfg, "cpu")
         self.pre.dataset.check_values(self.target.vocab_size, progress=progress)
         with console.phase("plan every epoch", progress):
-            self.schedule = schedule = Schedule.from_config(cfg, self.pre.dataset.lengths)
+            self.schedule = schedule = Schedule.from_config(cfg, self.pre.dataset.lengths, node=node.rank)
         if schedule.total_steps == 0:
             raise ConfigError(f"train.grad_accum: no optimizer step fits an epoch ({len(self.pre.plan0)} "
                               f"batches; a step needs grad_accum * drafters = {schedule.per_step})")
@@ -176,13 +191,50 @@ class Job:
         self.lock = rundir.RunDirLock(self.run_dir)
         self.lock.acquire()
         try:
-            with console.phase("verify and load the checkpoint" if resume else "prepare the start", progress):
-                self.start = load_start(cfg, model, self.run_dir, resume)
+            if node.rank == 0:
+                with console.phase("verify and load the checkpoint" if resume else "prepare the start", progress):
+                    self.start = load_start(cfg, model, self.run_dir, resume)
+            else:
+                self.start = Start(model, 0)    # node 0's, once the nodes have met
             self.layout = ParamLayout.of(self.start.model)
+            if node.nodes > 1:
+                self.link = Link(node, cfg.runtime, bulk_device(cfg, self.pre.devices.drafters[0]))
+                with console.phase(f"meet the other nodes ({node.describe()})", progress):
+                    self.link.join(self._fingerprint(), same_job)
+                with console.phase("receive node 0's starting point" if node.rank else "send the starting point",
+                                   progress):
+                    self._share_start()
             self.shared = self._allocate()
         except BaseException:
+            if self.link is not None:
+                self.link.close()
             self.lock.release()
             raise
+
+    def _fingerprint(self) -> dict:
+        """What every node must agree on: the config's math, the data, the drafter."""
+        return {"config": self.cfg.to_dict(), "steps_per_epoch": list(self.schedule.steps_per_epoch),
+                "tokens": int(self.pre.dataset.num_tokens), "params": self.layout.numel}
+
+    def _share_start(self) -> None:
+        """Node 0's starting point (version, batches, weights, moments) on every node."""
+        P, st = self.layout.numel, self.start
+        header = torch.zeros(3, dtype=torch.int64)
+        body = torch.zeros(3, P)
+        if self.node.rank == 0:
+            header[:] = torch.tensor([st.version, st.applied, st.moments is not None])
+            body[0] = torch.cat([p.detach().reshape(-1) for p in st.model.parameters()])
+            if st.moments is not None:
+                body[1], body[2] = st.moments["exp_avg"], st.moments["exp_avg_sq"]
+        self.link.broadcast_start(header, body)
+        if self.node.rank == 0:
+            return
+        version, applied, moments = (int(x) for x in header)
+        with torch.no_grad():
+            for p, w in zip(st.model.parameters(), self.layout.views(body[0])):
+                p.copy_(w)
+        self.start = Start(st.model, version, {"exp_avg": body[1], "exp_avg_sq": body[2]} if moments else None,
+                           None, applied)
 
     def _allocate(self) -> wiring.JobShared:
         """Fresh shared state holding the starting point."""
@@ -197,6 +249,8 @@ class Job:
         try:
             return self._run()
         finally:
+            if self.link is not None:
+                self.link.close()
             self.lock.release()
 
     def _run(self) -> RunResult:
@@ -209,6 +263,9 @@ class Job:
                 return self._finish(0, "already complete", {}, rollbacks)
             result = self._attempt()
             if not isinstance(result.raised, RollbackRequired):
+                break
+            if self.link is not None:
+                result.reason += "; a rollback needs every node: relaunch them all with --resume"
                 break
             if rollbacks >= self.cfg.runtime.max_restarts:
                 return self._finish(1, f"gave up after {rollbacks} rollbacks; last: {result.raised}",
@@ -246,14 +303,19 @@ class Job:
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
                          num_threads=cfg.train.num_threads, on_status=monitor)
         monitor.watch(sup.work_times, stages)
+        if self.link is not None:
+            sh = self.shared
+            self.link.serve(sh.exchange, sh.grads, sh.batch_stats, sh.weights, sched, first, sup.request_failure)
         evaluator = None
-        if cfg.eval.every and first < sched.total_steps:
+        if cfg.eval.every and first < sched.total_steps and self.node.rank == 0:
             from .evaluator import Evaluator
             evaluator = Evaluator(cfg, self.shared.weights, self.run_dir, first, sched.total_steps)
             evaluator.start()
         try:
             return sup.run()
         finally:
+            if self.link is not None:
+                self.link.stop()
             monitor.close()
             self.accounts = self._accounting(monitor, first)
             if evaluator is not None:
@@ -266,7 +328,7 @@ class Job:
                           self.shared.step_stats, self.shared.batch_stats, monitor.work_times, monitor.stages,
                           first, monitor.train_s(), stats["mean_samples"], devices)
 
-    def _checkpoint(self) -> Path:
+    def _checkpoint(self) -> Optional[Path]:
         """The final checkpoint, from the shared state (consistent: no actor is left),
         and no leftovers of writes a kill cut short. One of this version that verifies
         is kept; a damaged one is rewritten.
@@ -276,7 +338,11 @@ class Job:
         the next interval while training goes on, the final one has no next interval:
         ending "finished" with the end state unsaved would lose the run's last stretch
         silently. The previous checkpoint is intact and ``--resume`` continues from it
-        once there is room."""
+        once there is room.
+
+        Across machines only node 0 writes (the others return None)."""
+        if self.node.rank:
+            return None
         remove_partial(self.run_dir)
         store = self.shared.weights
         version = store.version
@@ -289,9 +355,33 @@ class Job:
                                trainer_state(self.cfg, self.schedule, store, version))
 
     def _finish(self, exit_code: int, reason: str, restarts: dict, rollbacks: int) -> RunResult:
+        extra = {}
+        if self.link is not None:
+            store = self.shared.weights
+            state = "done" if exit_code == 0 else "failed"
+            extra["cluster"] = self.link.finish(state, store.version, reason, digest(store, store.version))
         summary = report.finish(self.run_dir, reason, self.shared.weights.version, self.schedule.total_steps,
                                 self.start.version, self.shared.step_stats, time.perf_counter() - self.t0,
-                                restarts, rollbacks, self.progress, self.accounts)
+                                restarts, rollbacks, self.progress, self.accounts, extra)
         if exit_code and exit_code != 130:
             print(f"error: {reason}", file=sys.stderr)
         return RunResult(exit_code, reason, summary)
+
+
+def same_job(mine: dict, theirs: dict) -> list[str]:
+    """What differs between two nodes' ``Job._fingerprint``: config keys that change the
+    math, the per-node shape of the step, the plan, the data, the drafter."""
+    a, b = mine["config"], theirs["config"]
+    diff = math_changes(a, b)
+    diff += [f"topology.{k}" for k in ("num_drafters", "nodes") if a["topology"][k] != b["topology"][k]]
+    diff += ["train.grad_accum"] if a["train"]["grad_accum"] != b["train"]["grad_accum"] else []
+    return diff + [k for k in ("steps_per_epoch", "tokens", "params") if mine[k] != theirs[k]]
+
+
+def bulk_device(cfg: Config, drafter_device: str) -> Optional[str]:
+    """Where the cross-node gradient chain runs: the first drafter's CUDA device
+    (NCCL), or None (gloo, host memory)."""
+    backend, on_cuda = cfg.runtime.collective_backend, drafter_device.startswith("cuda")
+    if backend == "nccl" and not on_cuda:
+        raise ConfigError(f"runtime.collective_backend: nccl needs the drafters on CUDA devices (got {drafter_device})")
+    return drafter_device if on_cuda and backend != "gloo" else None

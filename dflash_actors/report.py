@@ -20,8 +20,9 @@ def _tokens(steps: list[dict]) -> int:
 
 
 def finish(run_dir: Path, reason: str, step: int, total_steps: int, resumed_from: int, step_stats: torch.Tensor,
-           wall_s: float, restarts: dict[str, int], rollbacks: int, verbose: bool, stages: dict) -> dict:
-    """Write and print the run's summary; returns it."""
+           wall_s: float, restarts: dict[str, int], rollbacks: int, verbose: bool, stages: dict,
+           extra: dict | None = None) -> dict:
+    """Write and print the run's summary (with ``extra``'s keys, e.g. ``cluster``); returns it."""
     steps = read_steps(step_stats)
     tokens = _tokens(steps)
     last = steps[-1] if steps else {}
@@ -33,7 +34,7 @@ def finish(run_dir: Path, reason: str, step: int, total_steps: int, resumed_from
         "restarts": sum(restarts.values()), "restarts_by_actor": {k: v for k, v in restarts.items() if v},
         "rollbacks": rollbacks, "checkpoint": str(ckpt) if ckpt else None,
         "skipped_steps": [resumed_from + i for i, s in enumerate(steps) if s["skipped"]],
-        "stages": stages,
+        "stages": stages, **(extra or {}),
     }
     summary["loss"], summary["simulated_tau"] = finite(summary["loss"]), finite(summary["simulated_tau"])
     # Strict JSON: a skipped step's NaN loss is written as null, not as a bare NaN.

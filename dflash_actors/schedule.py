@@ -8,6 +8,17 @@ step are dropped (the reference does the same), so a step always consumes exactl
     (epoch, i) :   (0, 0..)   | (1, 0..)         | ...      i = position in plan_e
     step       :   b // (A*M)       drafter: b % M       weights used: version = step
 
+Across ``topology.nodes`` = K machines (``cluster``) the math is that of one machine
+with K*M drafters: global batch g goes to global drafter ``g mod K*M``, and node k owns
+drafters k*M .. k*M+M-1. Each node runs an ordinary pipeline over *local* ids (its
+ledger, rings and drafters see a schedule of A*M batches per step) that map onto the
+global ids its drafters consume, in the same order::
+
+    local l = s*A*M + a*M + j   <->   global g = s*A*K*M + a*K*M + k*M + j
+
+``locate`` answers for the global id (the plan, the anchors' seeds), so a node's
+batches are exactly the ones a single machine would give those drafters.
+
 Batch b is row b of the ledger in every run, resumed or not (a resumed run starts at
 ``first_of_step(version)``), and this class is the only place that turns a batch id
 into its epoch, step or drafter: the dispatcher, the drafters, the optimizer, the
@@ -28,12 +39,34 @@ class Schedule:
     per_step: int                 # A * M
     num_drafters: int             # M
     steps_per_epoch: tuple[int, ...]
+    nodes: int = 1                # K: machines sharing each step
+    node: int = 0                 # which of them this schedule is
 
     @classmethod
-    def from_config(cls, cfg, lengths: np.ndarray) -> "Schedule":
-        per = cfg.train.grad_accum * cfg.topology.num_drafters
-        steps = tuple(len(plan_for(cfg, lengths, e)) // per for e in range(cfg.train.epochs))
-        return cls(per, cfg.topology.num_drafters, steps)
+    def from_config(cls, cfg, lengths: np.ndarray, node: int | None = None) -> "Schedule":
+        """The schedule of node ``node``; None: the whole run as one machine with all
+        ``topology.nodes * num_drafters`` drafters (what the reference trains)."""
+        nodes, m = cfg.topology.nodes, cfg.topology.num_drafters
+        per_all = cfg.train.grad_accum * m * nodes
+        steps = tuple(len(plan_for(cfg, lengths, e)) // per_all for e in range(cfg.train.epochs))
+        if node is None or nodes == 1:
+            return cls(per_all, m * nodes, steps)
+        if not 0 <= node < nodes:
+            raise ValueError(f"node {node} of {nodes}")
+        return cls(cfg.train.grad_accum * m, m, steps, nodes, node)
+
+    @property
+    def batches_per_step(self) -> int:
+        """Batches one step consumes on all nodes together."""
+        return self.per_step * self.nodes
+
+    def global_id(self, b: int) -> int:
+        """This node's batch ``b`` as the run's batch id (the same id on one node)."""
+        if self.nodes == 1:
+            return b
+        s, r = divmod(b, self.per_step)
+        a, j = divmod(r, self.num_drafters)
+        return (s * self.per_step + a * self.num_drafters) * self.nodes + self.node * self.num_drafters + j
 
     @property
     def total_steps(self) -> int:
@@ -44,14 +77,14 @@ class Schedule:
         return self.total_steps * self.per_step
 
     def locate(self, b: int) -> tuple[int, int]:
-        """Batch id -> (epoch, position in that epoch's plan)."""
-        first = 0
+        """Batch id -> (epoch, position in that epoch's plan), by its global id."""
+        b, first = self.global_id(b), 0
         for e, steps in enumerate(self.steps_per_epoch):
-            n = steps * self.per_step
+            n = steps * self.batches_per_step
             if b < first + n:
                 return e, b - first
             first += n
-        raise IndexError(f"batch {b} is past the end of the run ({self.total_batches} batches)")
+        raise IndexError(f"batch {b} is past the end of the run ({self.total_steps * self.batches_per_step} batches)")
 
     def epoch_of_step(self, step: int) -> int:
         """The epoch step ``step`` belongs to (``len(steps_per_epoch)`` once all are done)."""

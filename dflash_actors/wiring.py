@@ -7,6 +7,8 @@ four stages, each given a typed spec of exactly what it needs.
     drafter.j    FEATURED  -> GRAD_DONE   feature ring -> grads[j]   Schedule.drafter_of(b) == j,
                                                                      once step(b)'s weights exist
     optimizer.0  GRAD_DONE -> COMMITTED   grads -> weights v+1       in order
+                                          (across machines: grads ->
+                                          link -> all nodes' sum)
 
 "Once step(b)'s weights exist": the optimizer commits the last batch of step s only
 after it has published weight version s+1, so a drafter batch of step s+1 is sent only
@@ -23,6 +25,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -31,6 +34,7 @@ from .actors.loader import Loader, LoaderSpec
 from .actors.optimizer import Optimizer, OptimizerSpec
 from .actors.target import Target, TargetSpec
 from .batching import ring_fields
+from .cluster import Exchange
 from .config import Config
 from .metrics import batch_table, step_table
 from .params import GradAccumulators, ParamLayout, WeightStore
@@ -57,11 +61,17 @@ class JobShared:
     grads: GradAccumulators
     batch_stats: torch.Tensor
     step_stats: torch.Tensor
+    exchange: Optional[Exchange] = None
+    """Across machines: the optimizer's side of the node's link (``cluster``)."""
 
     @classmethod
     def allocate(cls, layout: ParamLayout, cfg: Config, schedule: Schedule) -> "JobShared":
+        stats = batch_table(schedule.total_batches, cfg.drafter.block_size)
+        exchange = None
+        if schedule.nodes > 1:
+            exchange = Exchange.allocate(layout.numel, schedule.batches_per_step, stats.shape[1])
         return cls(WeightStore.allocate(layout), GradAccumulators.allocate(layout, cfg.topology.num_drafters),
-                   batch_table(schedule.total_batches, cfg.drafter.block_size), step_table(schedule.total_steps))
+                   stats, step_table(schedule.total_steps), exchange)
 
 
 def rings(cfg: Config, feature_width: int, feature_dtype: str) -> list[RingSpec]:
@@ -89,7 +99,7 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
               spec=DrafterSpec(cfg, schedule, devices.drafters, s.weights, s.grads, s.batch_stats)),
         Stage("optimizer", Optimizer, State.GRAD_DONE, State.COMMITTED, route=in_order, credit=schedule.per_step,
               spec=OptimizerSpec(cfg, schedule, devices.drafters[0], first_step, s.weights, s.grads,
-                                 s.batch_stats, s.step_stats)),
+                                 s.batch_stats, s.step_stats, s.exchange, writes_checkpoints=schedule.node == 0)),
     ]
 
 

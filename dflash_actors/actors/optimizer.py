@@ -15,7 +15,11 @@ Contract:
             (``optim.skip_step``: no update, the schedule moves on) and logged
             (``bad_step``); more than ``train.max_bad_steps`` in a row stop the job
             (``NonFiniteStop``) before that version is published.
-  waits for nothing: its Work arrives only once the batch is GRAD_DONE.
+  waits for nothing on one machine: its Work arrives only once the batch is GRAD_DONE.
+            Across machines (``cluster``) it then asks the node's link for step s
+            (``Exchange``) and waits, beating, for the sum over every node's drafters
+            and every node's stats rows: the step it takes is the single-machine one.
+            Only node 0 writes checkpoints.
   on restart reloads weights, AdamW moments and the schedule position from the active
             buffer. A step whose version is already committed is not redone; a step
             killed before its commit is redone from the same inputs, identically; a
@@ -31,10 +35,12 @@ import errno
 import math
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..checkpoint import save_checkpoint, trainer_state, verified_checkpoint
+from ..cluster import ClusterError, Exchange
 from ..config import Config
 from ..metrics import bad_run, fold_step, write_step
 from ..models.drafter import build_drafter
@@ -48,6 +54,10 @@ from ..schedule import Schedule
 
 class RollbackRequired(Escalate):
     """The committed weights or optimizer state cannot be trusted."""
+
+
+class ClusterLost(Escalate):
+    """The node's link gave up on the step's exchange: the run stops on this node."""
 
 
 class NonFiniteStop(Escalate):
@@ -67,6 +77,9 @@ class OptimizerSpec:
     batch_stats: torch.Tensor
     step_stats: torch.Tensor
     """``metrics.step_table``: row s gets step s's metrics."""
+    exchange: Optional[Exchange] = None
+    """Across machines: where the link puts each step's cross-node sum (None: one machine)."""
+    writes_checkpoints: bool = True
 
 
 class Optimizer(Actor):
@@ -106,18 +119,31 @@ class Optimizer(Actor):
             raise ProtocolError(f"step {s} ends at batch {w.batch_id} but the weights are at v{store.version}")
         b = w.batch_id
         shards = [sched.drafter_batches(s, j) for j in range(sched.num_drafters)]
-        with self.span("gradient read", b):
-            shard_grads = []
-            for j, batches in enumerate(shards):
-                if acc.last_batch(j) != batches[-1] or acc.count(j) != len(batches):
-                    raise ProtocolError(f"drafter.{j}'s sum holds {acc.count(j)} batches ending at "
-                                        f"{acc.last_batch(j)}; step {s} needs {len(batches)} ending at {batches[-1]}")
-                shard_grads.append([g.to(self.device) for g in acc.active(j)])
+        for j, batches in enumerate(shards):
+            if acc.last_batch(j) != batches[-1] or acc.count(j) != len(batches):
+                raise ProtocolError(f"drafter.{j}'s sum holds {acc.count(j)} batches ending at "
+                                    f"{acc.last_batch(j)}; step {s} needs {len(batches)} ending at {batches[-1]}")
+        x = self.spec.exchange
+        if x is None:
+            with self.span("gradient read", b):
+                shard_grads = [[g.to(self.device) for g in acc.active(j)] for j in range(sched.num_drafters)]
+            stats, tokens = fold_step(self.spec.batch_stats, shards)
+            count = sum(acc.count(j) for j in range(sched.num_drafters))
+        else:
+            x.request(s)
+            with self.span("cross-node exchange", b), self.beating():
+                try:
+                    x.wait(s)
+                except ClusterError as e:
+                    raise ClusterLost(str(e)) from None
+            shard_grads = [[g.to(self.device) for g in acc.layout.views(x.total)]]
+            a = sched.per_step // sched.num_drafters
+            stats, tokens = fold_step(x.rows, [range(i, i + a) for i in range(0, len(x.rows), a)])
+            count = x.count
         lr = self.opt.param_groups[0]["lr"]
-        stats, tokens = fold_step(self.spec.batch_stats, shards)
         loss = stats.metrics()["loss"]
         with self.span("optimizer step", b):
-            norm = reduce_and_step(self.params, shard_grads, self.opt, self.sched, sched.per_step,
+            norm = reduce_and_step(self.params, shard_grads, self.opt, self.sched, sched.batches_per_step,
                                    self.spec.cfg.train.grad_clip, loss)
         skipped = not math.isfinite(norm)
         write_step(self.spec.step_stats, s, stats, lr, norm, tokens, skipped)
@@ -127,7 +153,7 @@ class Optimizer(Actor):
         with self.span("publish", b):
             store.publish(s + 1, self.params, [st["exp_avg"] for st in states],
                           [st["exp_avg_sq"] for st in states], midway=lambda: self.fault_point("publish", b),
-                          applied=store.applied(s) + sum(acc.count(j) for j in range(sched.num_drafters)))
+                          applied=store.applied(s) + count)
 
     def _bad_step(self, s: int, loss: float, norm: float) -> None:
         """Step s was skipped (non-finite): log it; past ``train.max_bad_steps`` in a
@@ -160,6 +186,8 @@ class Optimizer(Actor):
         every = cfg.train.checkpoint_every
         if not every or not version or version % every or version == self.spec.schedule.total_steps:
             return      # the final checkpoint is written by the job once actors stop
+        if not self.spec.writes_checkpoints:
+            return      # across machines node 0 writes them
         run_dir = cfg.runtime.run_dir
         with self.beating(), self.span("checkpoint", step=version):
             if verified_checkpoint(run_dir, version) is not None:   # hashes it: beating

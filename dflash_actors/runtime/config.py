@@ -105,6 +105,16 @@ class RuntimeConfig:
     stuck_after_s: Optional[float] = checked(None, optional(above(0)))
     """A ready actor whose heartbeat is older than this shows as stuck in
     ``status.json`` (it is killed only at ``hang_timeout_s``); None: a quarter of that."""
+    collective_timeout_s: float = checked(120.0, above(0))
+    """Across machines (``cluster``): a node whose supervisor has not been heard from
+    for this long, or a collective that has not completed in it, is lost; the others
+    stop (exit 1) naming it. Slow actors never trip it: nodes meet in the store first
+    and enter a collective only once all are ready."""
+    collective_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """``auto``: NCCL when the drafters are on CUDA devices, else gloo."""
+    replica_check_every: int = checked(50, at_least(0))
+    """Across machines: every this many steps the nodes compare a hash of their weights
+    and AdamW moments and stop if any differs (0: only at the end)."""
     trace: bool = False
     """Write ``<run_dir>/trace.json``: every actor's spans, for Perfetto (``trace``)."""
     trace_batches: int = checked(100, at_least(1))

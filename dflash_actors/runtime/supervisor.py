@@ -173,6 +173,7 @@ class Supervisor:
         self.reason: Optional[str] = None     # why it stops, once it does
         self._mp = tmp.get_context("spawn")
         self._stop_signal: Optional[str] = None
+        self._failure: Optional[str] = None
         self._events: Optional[EventLog] = None
         self._window = Window(first_batch, n_batches, runtime.trace_batches)
         self.tracer = Tracer(None, SUPERVISOR_TRACK)
@@ -218,12 +219,22 @@ class Supervisor:
         """What SIGINT/SIGTERM do; callable from a signal handler or the main thread."""
         self._stop_signal = reason
 
+    def request_failure(self, reason: str) -> None:
+        """Stop the job as failed (exit 1), from any thread: what a lost node does."""
+        self._failure = self._failure or reason
+        try:
+            self._wake_w.send(b"!")
+        except (AttributeError, OSError):   # not running yet, or already finished
+            pass
+
     # -- the loop --------------------------------------------------------------
 
     def _loop(self) -> JobResult:
         next_status = 0.0
         while True:
             now = time.monotonic()
+            if self._failure and self.state is JobState.RUNNING:
+                return self._stopping(JobResult(JobState.FAILED, self._failure))
             if self._stop_signal and self.state is JobState.RUNNING:
                 return self._stopping(JobResult(JobState.STOPPED, self._stop_signal))
             if self.dispatcher.finished():

@@ -1,0 +1,487 @@
+"""One run over several machines: which node this is, and the link between nodes.
+
+Each machine runs ``launch.py`` once: one supervisor with its own loader, targets,
+drafters and optimizer, as on a single machine (``schedule``: the node trains a
+disjoint shard of the plan, the batches its own drafters consume). The only traffic
+between machines is one exchange per optimizer step, made by a ``Link`` thread in
+the supervisor process, the one process a local actor restart never touches::
+
+    node 0 supervisor ── Link ── TCPStore (hosted here) ── Link ── node 1 supervisor
+          │ shared memory                                             │
+    optimizer.0 ──request step s──> Link: barrier "ready/s" in the store,
+                <──total, rows───── the stats rows (all-gather), the gradient
+                                    chain 0 -> 1 -> ... -> K-1, broadcast back
+
+The gradient chain makes the sum bit-identical to one machine with all K*M drafters:
+node 0 starts from its drafter 0's sum and adds its others in order, each next node
+receives the running sum and adds its own drafters in order, the last broadcasts the
+total. That is exactly ``optim.reduce_and_step``'s order, so the optimizer step on
+every node is the single-machine step, and the replicas stay identical (checked:
+a hash of weights and moments every ``runtime.replica_check_every`` steps and at
+the end). The chain is cut into chunks and pipelined; its cost per node is about two
+gradient transfers, like a ring all-reduce.
+
+Failure: a dead actor is restarted locally, and the other nodes just wait (in the
+store's barrier, never inside a collective). A node whose supervisor stops beating in
+the store for ``runtime.collective_timeout_s``, whose store connection breaks, or
+that says it stopped, is lost: the survivors' supervisors stop, node 0 writes its
+consistent checkpoint, and every survivor exits 1 naming the lost node; ``--resume``
+on every node continues (node 0 broadcasts its checkpoint). Only node 0 writes
+checkpoints and runs the evaluator.
+
+Backends: gloo for the control traffic, always; the gradient chain uses NCCL when
+``runtime.collective_backend`` says so (``auto``: when the drafters are on CUDA).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+DEFAULT_PORT = 29500
+CHUNK = 1 << 22
+"""Gradient floats per chunk of the chain (16 MB): nodes overlap receive, add and send."""
+HDR = 7
+"""Header of a node's stats row block: step, node, batches, digest (4 x 32 bits)."""
+
+
+class ClusterError(RuntimeError):
+    """A node was lost or the replicas differ: the run stops on every node."""
+
+
+# ---------------------------------------------------------------------------
+# which node this is
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    nodes: int = 1
+    rank: int = 0
+    addr: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    agent_store: bool = False
+    """torchrun's agent already hosts the store at addr:port (node 0 joins it as a client)."""
+    prefix: str = "dflash/0/"
+    """Store keys of this launch (torchrun restarts reuse the agent's store)."""
+
+    @property
+    def single(self) -> bool:
+        return self.nodes == 1
+
+    def describe(self) -> str:
+        return f"node {self.rank} of {self.nodes} (rendezvous {self.addr}:{self.port})"
+
+
+def node_spec(nnodes: Optional[int] = None, node_rank: Optional[int] = None, master: Optional[str] = None,
+              env=None) -> NodeSpec:
+    """The node from ``--nnodes/--node-rank/--master``, else from torchrun's environment
+    (``WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK``/``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), else from
+    SLURM's (``SLURM_NTASKS``, ``SLURM_PROCID``, first host of ``SLURM_JOB_NODELIST``),
+    else one node. ValueError (exit 2) for anything inconsistent."""
+    env = os.environ if env is None else env
+    flags = (nnodes, node_rank, master)
+    if any(f is not None for f in flags):
+        if nnodes is None:
+            raise ValueError("--nnodes: needed with --node-rank/--master")
+        if nnodes > 1 and (node_rank is None or master is None):
+            raise ValueError("--nnodes > 1 needs --node-rank and --master ADDR:PORT")
+        addr, port = _addr_port(master or f"127.0.0.1:{DEFAULT_PORT}", "--master")
+        return _checked(nnodes, node_rank or 0, addr, port, "--node-rank")
+    if "WORLD_SIZE" in env and ("MASTER_ADDR" in env or "TORCHELASTIC_RUN_ID" in env):
+        if int(env.get("LOCAL_WORLD_SIZE", "1")) != 1:
+            raise ValueError("torchrun: run one launch.py per machine (--nproc-per-node 1); it starts "
+                             "its own actors on that machine's GPUs")
+        nodes = int(env["WORLD_SIZE"])
+        rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", env.get("RANK", "0"))))
+        port = int(env.get("MASTER_PORT", DEFAULT_PORT))
+        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        spec = _checked(nodes, rank, env.get("MASTER_ADDR", "127.0.0.1"), port, "GROUP_RANK")
+        return NodeSpec(spec.nodes, spec.rank, spec.addr, spec.port,
+                        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", prefix=f"dflash/{restart}/")
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        nodes, rank = int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"])
+        if int(env.get("SLURM_NNODES", nodes)) != nodes:
+            raise ValueError(f"SLURM: run one task per node (--ntasks-per-node 1); got {nodes} tasks on "
+                             f"{env.get('SLURM_NNODES')} nodes")
+        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+        port = int(env.get("MASTER_PORT", DEFAULT_PORT))
+        return _checked(nodes, rank, addr, port, "SLURM_PROCID")
+    return NodeSpec()
+
+
+def _checked(nodes: int, rank: int, addr: str, port: int, rank_name: str) -> NodeSpec:
+    if nodes < 1:
+        raise ValueError(f"--nnodes: must be >= 1 (got {nodes})")
+    if not 0 <= rank < nodes:
+        raise ValueError(f"{rank_name}: must be in [0, {nodes - 1}] for {nodes} nodes (got {rank})")
+    if not addr:
+        raise ValueError("master address: empty (set MASTER_ADDR or --master ADDR:PORT)")
+    if not 0 < port < 65536:
+        raise ValueError(f"master port: must be in [1, 65535] (got {port})")
+    return NodeSpec(nodes, rank, addr, port)
+
+
+def _addr_port(text: str, name: str) -> tuple[str, int]:
+    addr, sep, port = text.rpartition(":")
+    if not sep or not addr or not port.isdigit():
+        raise ValueError(f"{name}: expected ADDR:PORT such as 10.0.0.1:29500 (got {text!r})")
+    return addr.strip("[]"), int(port)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"SLURM node list: cannot read {nodelist!r}; set MASTER_ADDR")
+    return m.group(1) + (re.split(r"[-,]", m.group(2))[0] if m.group(2) else "")
+
+
+# ---------------------------------------------------------------------------
+# what the optimizer and the link share
+
+
+class Exchange:
+    """Shared memory between the optimizer actor and the node's Link.
+
+    head  [4] int64   requested step + 1 (optimizer), reduced step + 1 (link), failed
+                      (link: the exchange is abandoned), batches in the reduced step
+    total [P] f32     the reduced step's gradient sum over all K*M drafters
+    rows  [K*M*A, C]  the step's batch stats rows, in global drafter order
+    """
+
+    REQ, DONE, FAILED, COUNT = range(4)
+
+    def __init__(self, head: torch.Tensor, total: torch.Tensor, rows: torch.Tensor):
+        self.head, self.total, self.rows = head, total, rows
+
+    @classmethod
+    def allocate(cls, numel: int, rows: int, cols: int) -> "Exchange":
+        return cls(torch.zeros(4, dtype=torch.int64).share_memory_(), torch.zeros(numel).share_memory_(),
+                   torch.zeros(rows, cols, dtype=torch.float64).share_memory_())
+
+    def __getstate__(self):
+        return (self.head, self.total, self.rows)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    def request(self, step: int) -> None:
+        self.head[self.REQ] = step + 1
+
+    def requested(self) -> int:
+        return int(self.head[self.REQ]) - 1
+
+    def done(self, step: int) -> bool:
+        return int(self.head[self.DONE]) == step + 1
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.head[self.FAILED])
+
+    @property
+    def count(self) -> int:
+        return int(self.head[self.COUNT])
+
+    def wait(self, step: int, poll_s: float = 0.001) -> None:
+        """Until step ``step`` is reduced; ClusterError once the link gave up."""
+        while not self.done(step):
+            if self.failed:
+                raise ClusterError(f"step {step}: the cross-node exchange was abandoned (a node was lost)")
+            time.sleep(poll_s)
+
+
+def digest(weights, version: int) -> str:
+    """Hash of version ``version``'s weights and AdamW moments in a ``WeightStore``."""
+    h = hashlib.blake2b(digest_size=16)
+    b = version % 2
+    for t in (weights.weights[b], weights.exp_avg[b], weights.exp_avg_sq[b]):
+        h.update(t.contiguous().numpy().view("uint8").data)
+    return h.hexdigest()
+
+
+def _digest_words(hexd: str) -> list[float]:
+    return [float(int(hexd[i:i + 8], 16)) for i in range(0, 32, 8)]
+
+
+# ---------------------------------------------------------------------------
+# the link
+
+
+class Link:
+    """This node's end of the run's connection to the other nodes (supervisor process)."""
+
+    def __init__(self, node: NodeSpec, runtime, bulk_device: Optional[str] = None):
+        self.node, self.timeout_s = node, runtime.collective_timeout_s
+        self.check_every = runtime.replica_check_every
+        self.join_timeout_s = runtime.start_timeout_s
+        self.bulk_device = bulk_device       # a CUDA device: the chain runs on NCCL there
+        self.failure: Optional[str] = None
+        self.reduce_s: list[float] = []
+        self.chain_s: list[float] = []
+        self.checked: list[int] = []
+        self._on_fail: Callable[[str], None] = lambda reason: None
+        self._exchange: Optional[Exchange] = None
+        self._stop = threading.Event()         # the exchange thread
+        self._stop_beat = threading.Event()    # the heartbeat thread
+        self._closing = False
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self.store = self.ctl = self.bulk = None
+
+    # -- joining ----------------------------------------------------------------
+
+    def join(self, fingerprint: dict, compare: Callable[[dict, dict], list[str]]) -> None:
+        """Meet every node in the store and form the process groups. Every node checks
+        every other's ``fingerprint`` (config, data, shapes) with ``compare`` (the
+        differing keys): a node launched differently is bad input, ConfigError."""
+        n, timeout = self.node, datetime.timedelta(seconds=self.join_timeout_s)
+        host = n.rank == 0 and not n.agent_store
+        try:
+            self.store = dist.TCPStore(n.addr, n.port, n.nodes if host else None, host, timeout=timeout,
+                                       wait_for_workers=False, multi_tenant=False)
+        except Exception as e:  # noqa: BLE001 - RuntimeError, DistNetworkError, ... all say the same here
+            what = "could not listen on" if host else "could not reach node 0's store at"
+            raise ConnectionError(f"cluster: {what} {n.addr}:{n.port} within {self.join_timeout_s:.0f} s "
+                                  f"(runtime.start_timeout_s): {_line(e)}") from None
+        mine = json.dumps(fingerprint, sort_keys=True)
+        fingerprint = json.loads(mine)      # tuples as the others will read them: lists
+        self.store.set(self._key(f"fingerprint/{n.rank}"), mine)
+        self._wait_keys([f"fingerprint/{k}" for k in range(n.nodes)], self.join_timeout_s, "join")
+        for k in range(n.nodes):
+            theirs = json.loads(self.store.get(self._key(f"fingerprint/{k}")))
+            diff = compare(fingerprint, theirs)
+            if diff:
+                raise ConfigError(f"cluster: node {k} was launched with another config or data than node "
+                                  f"{n.rank} ({', '.join(diff[:4])}); every node must run the same job")
+        pg_timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.ctl = dist.ProcessGroupGloo(dist.PrefixStore(self._key("gloo"), self.store), n.rank, n.nodes, pg_timeout)
+        self.bulk = self.ctl
+        if self.bulk_device is not None:
+            torch.cuda.set_device(torch.device(self.bulk_device))
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = pg_timeout
+            self.bulk = dist.ProcessGroupNCCL(dist.PrefixStore(self._key("nccl"), self.store), n.rank, n.nodes, opts)
+        self._start(self._beat, "cluster-beat")
+
+    def broadcast_start(self, header: torch.Tensor, body: torch.Tensor) -> None:
+        """Node 0's starting point (int64 header, float32 body) to every node, in place."""
+        for t in (header, body):
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.ctl.broadcast([t], opts).wait()
+
+    # -- one exchange per step ---------------------------------------------------
+
+    def serve(self, exchange: Exchange, grads, batch_stats: torch.Tensor, weights, schedule, first_step: int,
+              on_fail: Callable[[str], None]) -> None:
+        """Reduce every step from ``first_step`` on, as this node's optimizer asks."""
+        self._exchange, self._on_fail = exchange, on_fail
+        self._grads, self._stats, self._weights, self._sched = grads, batch_stats, weights, schedule
+        self._stop.clear()
+        self._start(lambda: self._serve(first_step), "cluster-link")
+        if self.failure:
+            self._fail(self.failure)
+
+    def _serve(self, step: int) -> None:
+        try:
+            while step < self._sched.total_steps:
+                while self._exchange.requested() < step:
+                    if self._stop.wait(0.001):
+                        return
+                self._barrier(f"ready/{step}")
+                self._reduce(step)
+                step += 1
+        except Exception as e:  # noqa: BLE001 - anything here ends the run on this node
+            if not self._stop.is_set():
+                self._fail(self.failure or f"cross-node exchange of step {step} failed: {_line(e)}")
+
+    def _reduce(self, s: int) -> None:
+        t0 = time.perf_counter()
+        sched, n, x = self._sched, self.node, self._exchange
+        M = sched.num_drafters
+        A = sched.per_step // M
+        shards = [sched.drafter_batches(s, j) for j in range(M)]
+        for j, batches in enumerate(shards):
+            if self._grads.last_batch(j) != batches[-1] or self._grads.count(j) != len(batches):
+                raise ClusterError(f"drafter.{j}'s sum is not step {s}'s")
+        check = self.check_every and s % self.check_every == 0
+        words = _digest_words(digest(self._weights, s)) if check else [0.0] * 4
+        rows = self._stats[[b for batches in shards for b in batches]]
+        mine = torch.cat([torch.tensor([s, n.rank, sum(self._grads.count(j) for j in range(M)), *words],
+                                       dtype=torch.float64), rows.flatten()])
+        every = [torch.empty_like(mine) for _ in range(n.nodes)]
+        self.ctl.allgather([every], [mine]).wait()
+        for k, got in enumerate(every):
+            if int(got[0]) != s or int(got[1]) != k:
+                raise ClusterError(f"node {k} sent step {int(got[0])} while this node reduces step {s}")
+            if check and not torch.equal(got[3:HDR], every[0][3:HDR]):
+                raise ClusterError(f"replicas differ: node {k}'s weights and moments at version {s} hash "
+                                   f"differently from node 0's; the nodes no longer train the same model")
+        if check:
+            self.checked.append(s)
+        x.rows.view(n.nodes, M * A, -1).copy_(torch.stack([got[HDR:].view(M * A, -1) for got in every]))
+        t1 = time.perf_counter()
+        self._chain([self._grads.active_flat(j) for j in range(M)], x.total)
+        x.head[Exchange.COUNT] = int(sum(got[2] for got in every))
+        x.head[Exchange.DONE] = s + 1
+        t2 = time.perf_counter()
+        self.reduce_s.append(t2 - t0)
+        self.chain_s.append(t2 - t1)
+
+    def _chain(self, sums: list[torch.Tensor], total: torch.Tensor) -> None:
+        """``total = sums of node 0's drafters, then node 1's, ...`` in that order."""
+        rank, last = self.node.rank, self.node.nodes - 1
+        dev = self.bulk_device
+        work = total if dev is None else torch.empty(total.shape, dtype=total.dtype, device=dev)
+        sending = []
+        for c, lo in enumerate(range(0, total.numel(), CHUNK)):
+            hi = min(total.numel(), lo + CHUNK)
+            seg, parts = work[lo:hi], [g[lo:hi] if dev is None else g[lo:hi].to(dev) for g in sums]
+            if rank == 0:
+                seg.copy_(parts.pop(0))
+            else:
+                self.bulk.recv([seg], rank - 1, c).wait()
+            for g in parts:
+                seg.add_(g)
+            if rank < last:
+                sending.append(self.bulk.send([seg], rank + 1, c))
+        for w in sending:
+            w.wait()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = last
+        self.bulk.broadcast([work], opts).wait()
+        if dev is not None:
+            total.copy_(work)
+
+    # -- liveness -----------------------------------------------------------------
+
+    def _barrier(self, name: str) -> None:
+        """Every node at ``name``, waiting as long as they all live."""
+        self.store.set(self._key(f"{name}/{self.node.rank}"), "1")
+        self._wait_keys([f"{name}/{k}" for k in range(self.node.nodes)], None, name, stoppable=True)
+
+    def _wait_keys(self, names: list[str], timeout_s: Optional[float], what: str, stoppable: bool = False) -> None:
+        keys = [self._key(x) for x in names]
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = 0.0005
+        while not self.store.check(keys):
+            if self.failure:
+                raise ClusterError(self.failure)
+            if stoppable and self._stop.is_set():
+                raise ClusterError("stopping")
+            if end is not None and time.monotonic() > end:
+                missing = [x.rsplit("/", 1)[1] for x, k in zip(names, keys) if not self.store.check([k])]
+                raise ConnectionError(f"cluster: node(s) {', '.join(missing)} did not reach {what!r} within "
+                                      f"{timeout_s:.0f} s")
+            time.sleep(pause)
+            pause = min(0.02, pause * 2)
+
+    def _beat(self) -> None:
+        """Beat in the store; a peer silent for the timeout, or one that said it
+        stopped, or a store that is gone, is a lost node."""
+        n, period = self.node, min(1.0, self.timeout_s / 10)
+        peers = [k for k in range(n.nodes) if k != n.rank]
+        seen = {k: (-1, time.monotonic()) for k in peers}
+        while not self._stop_beat.wait(period):
+            try:
+                self.store.add(self._key(f"beat/{n.rank}"), 1)
+                now = time.monotonic()
+                for k in peers:
+                    count = self.store.add(self._key(f"beat/{k}"), 0)
+                    if count != seen[k][0]:
+                        seen[k] = (count, now)
+                    elif now - seen[k][1] > self.timeout_s and not self._closing:
+                        self._fail(f"lost node {k}: no heartbeat from its supervisor for {self.timeout_s:.0f} s "
+                                   "(runtime.collective_timeout_s)")
+                    if not self._closing and self.store.check([self._key(f"end/{k}")]):
+                        end = json.loads(self.store.get(self._key(f"end/{k}")))
+                        if end["state"] != "done":
+                            self._fail(f"lost node {k}: it stopped ({end['reason']})")
+            except Exception as e:  # noqa: BLE001 - the store's host is gone
+                if not self._closing:
+                    self._fail(f"lost node 0: its store at {n.addr}:{n.port} is gone ({_line(e)})"
+                               if n.rank else f"the store failed: {_line(e)}")
+                return
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            self.failure = self.failure or reason
+        if self._exchange is not None:
+            self._exchange.head[Exchange.FAILED] = 1
+        self._on_fail(self.failure)     # idempotent: the supervisor stops once
+
+    # -- the end ------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """End the exchange thread (the supervisor has returned)."""
+        self._stop.set()
+        for t in [t for t in self._threads if t.name == "cluster-link"]:
+            t.join()
+        self._threads = [t for t in self._threads if t.name != "cluster-link"]
+
+    def finish(self, state: str, version: int, reason: str, weights_digest: str) -> dict:
+        """Tell the others how this node ended and compare: the summary's ``cluster``."""
+        n = self.node
+        out = {"nodes": n.nodes, "rank": n.rank, "reduce_s_mean": _mean(self.reduce_s),
+               "chain_s_mean": _mean(self.chain_s), "replica_checks": len(self.checked), "digest": weights_digest}
+        if self.store is None:
+            return out
+        try:
+            self.store.set(self._key(f"end/{n.rank}"), json.dumps({"state": state, "version": version,
+                                                                   "reason": reason, "digest": weights_digest}))
+            if self.failure or state != "done":
+                out["replicas"] = "not compared: the run stopped"
+                return out
+            self._closing = True
+            self._wait_keys([f"end/{k}" for k in range(n.nodes)], self.timeout_s, "the end")
+            ends = [json.loads(self.store.get(self._key(f"end/{k}"))) for k in range(n.nodes)]
+            differ = [k for k, e in enumerate(ends) if (e["version"], e["digest"]) != (version, weights_digest)]
+            out["replicas"] = (f"identical at version {version} on all {n.nodes} nodes" if not differ else
+                               f"DIFFER: node(s) {differ} end elsewhere than node {n.rank}")
+            self.store.set(self._key(f"read/{n.rank}"), "1")
+            if n.rank == 0:     # the store lives here: keep it until every node has read it
+                self._wait_keys([f"read/{k}" for k in range(n.nodes)], 30.0, "the end")
+        except Exception as e:  # noqa: BLE001 - the run itself is over; say what could not be compared
+            out["replicas"] = f"not compared: {_line(e)}"
+        return out
+
+    def close(self) -> None:
+        self._closing = True
+        self._stop.set()
+        self._stop_beat.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads.clear()
+        self.ctl = self.bulk = None
+        self.store = None
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _start(self, fn, name: str) -> None:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _key(self, name: str) -> str:
+        return self.node.prefix + name
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _mean(xs: list[float]) -> Optional[float]:
+    return round(sum(xs) / len(xs), 6) if xs else None
