@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
         print("error: --run-dir and --resume name different directories", file=sys.stderr)
         return 2
     given = args.resume if args.resume is not None else args.run_dir
+    # c10d logs every broken connection with a C++ backtrace; a lost node is reported
+    # in one line instead (read when torch loads, which the next import does).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         from dflash_actors.cluster import node_spec
         node = node_spec(args.nnodes, args.node_rank, args.master)

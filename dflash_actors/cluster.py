@@ -289,6 +289,7 @@ class Link:
         """Reduce every step from ``first_step`` on, as this node's optimizer asks."""
         self._exchange, self._on_fail = exchange, on_fail
         self._grads, self._stats, self._weights, self._sched = grads, batch_stats, weights, schedule
+        self._first = first_step    # checked first: the start every node received
         self._stop.clear()
         self._start(lambda: self._serve(first_step), "cluster-link")
         if self.failure:
@@ -305,7 +306,24 @@ class Link:
                 step += 1
         except Exception as e:  # noqa: BLE001 - anything here ends the run on this node
             if not self._stop.is_set():
-                self._fail(self.failure or f"cross-node exchange of step {step} failed: {_line(e)}")
+                self._fail(self.failure or self._diagnose() or f"cross-node exchange of step {step} failed: {_line(e)}")
+
+    def _diagnose(self) -> Optional[str]:
+        """After a broken collective: which peers stopped beating (over a few beats)."""
+        n = self.node
+        try:
+            before = {k: self.store.add(self._key(f"beat/{k}"), 0) for k in range(n.nodes) if k != n.rank}
+            time.sleep(3 * min(1.0, self.timeout_s / 10))
+            lost = [k for k, c in before.items() if self.store.add(self._key(f"beat/{k}"), 0) == c]
+        except Exception as e:  # noqa: BLE001 - the store's host is gone
+            return self._store_gone(e)
+        return f"lost node {', '.join(map(str, lost))}: its supervisor stopped beating" if lost else None
+
+    def _store_gone(self, e: BaseException) -> str:
+        n = self.node
+        if n.rank:
+            return f"lost node 0: its store at {n.addr}:{n.port} is gone ({_line(e)})"
+        return f"the store failed: {_line(e)}"
 
     def _reduce(self, s: int) -> None:
         t0 = time.perf_counter()
@@ -316,7 +334,7 @@ class Link:
         for j, batches in enumerate(shards):
             if self._grads.last_batch(j) != batches[-1] or self._grads.count(j) != len(batches):
                 raise ClusterError(f"drafter.{j}'s sum is not step {s}'s")
-        check = self.check_every and s % self.check_every == 0
+        check = s == self._first or (self.check_every and s % self.check_every == 0)
         words = _digest_words(digest(self._weights, s)) if check else [0.0] * 4
         rows = self._stats[[b for batches in shards for b in batches]]
         mine = torch.cat([torch.tensor([s, n.rank, sum(self._grads.count(j) for j in range(M)), *words],
@@ -411,8 +429,7 @@ class Link:
                             self._fail(f"lost node {k}: it stopped ({end['reason']})")
             except Exception as e:  # noqa: BLE001 - the store's host is gone
                 if not self._closing:
-                    self._fail(f"lost node 0: its store at {n.addr}:{n.port} is gone ({_line(e)})"
-                               if n.rank else f"the store failed: {_line(e)}")
+                    self._fail(self._store_gone(e))
                 return
 
     def _fail(self, reason: str) -> None:
@@ -438,12 +455,16 @@ class Link:
                "chain_s_mean": _mean(self.chain_s), "replica_checks": len(self.checked), "digest": weights_digest}
         if self.store is None:
             return out
+        end = json.dumps({"state": state, "version": version, "reason": reason, "digest": weights_digest})
+        if self.failure or state != "done":
+            out["replicas"] = "not compared: the run stopped"
+            try:
+                self.store.set(self._key(f"end/{n.rank}"), end)   # the others stop now, not at their timeout
+            except Exception:  # noqa: BLE001 - the store may be what was lost
+                pass
+            return out
         try:
-            self.store.set(self._key(f"end/{n.rank}"), json.dumps({"state": state, "version": version,
-                                                                   "reason": reason, "digest": weights_digest}))
-            if self.failure or state != "done":
-                out["replicas"] = "not compared: the run stopped"
-                return out
+            self.store.set(self._key(f"end/{n.rank}"), end)
             self._closing = True
             self._wait_keys([f"end/{k}" for k in range(n.nodes)], self.timeout_s, "the end")
             ends = [json.loads(self.store.get(self._key(f"end/{k}"))) for k in range(n.nodes)]

@@ -358,7 +358,7 @@ class Job:
         extra = {}
         if self.link is not None:
             store = self.shared.weights
-            state = "done" if exit_code == 0 else "failed"
+            state = {0: "done", 130: "stopped"}.get(exit_code, "failed")
             extra["cluster"] = self.link.finish(state, store.version, reason, digest(store, store.version))
         summary = report.finish(self.run_dir, reason, self.shared.weights.version, self.schedule.total_steps,
                                 self.start.version, self.shared.step_stats, time.perf_counter() - self.t0,

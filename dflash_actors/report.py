@@ -49,6 +49,11 @@ def finish(run_dir: Path, reason: str, step: int, total_steps: int, resumed_from
               f"{summary['restarts']} restarts; checkpoint {summary['checkpoint']}", file=sys.stderr)
         for line in stage_lines(stages):
             print(line, file=sys.stderr)
+        cluster = summary.get("cluster")
+        if cluster:
+            print(f"  node {cluster['rank']} of {cluster['nodes']}: replicas {cluster.get('replicas', '-')}; "
+                  f"cross-node exchange {1e3 * (cluster['reduce_s_mean'] or 0):.1f} ms per step"
+                  + ("; checkpoints are node 0's" if cluster["rank"] else ""), file=sys.stderr)
     return summary
 
 

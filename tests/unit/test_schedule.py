@@ -123,3 +123,38 @@ def test_from_config_drops_the_incomplete_last_step(n_samples, steps):
     assert s.num_drafters == 2
     assert s.steps_per_epoch == (steps,) * 3
     assert s.total_batches == 3 * steps * 4
+
+
+@pytest.mark.parametrize("nodes,m,accum", [(2, 1, 1), (2, 2, 3), (3, 2, 1)])
+def test_nodes_shard_the_run_of_one_machine_with_all_their_drafters(nodes, m, accum):
+    """Across K nodes, node k's local batches are, in order, exactly the global batches
+    of drafters k*M..k*M+M-1 of one machine with K*M drafters: disjoint, covering the
+    run once, at the same plan positions, each node's drafter j summing them in the
+    single machine's order."""
+    steps = (2, 1, 3)
+    whole = Schedule(accum * m * nodes, m * nodes, steps)
+    seen = []
+    for k in range(nodes):
+        s = Schedule(accum * m, m, steps, nodes, k)
+        assert s.total_steps == whole.total_steps and s.batches_per_step == whole.per_step
+        for b in range(s.total_batches):
+            g = s.global_id(b)
+            seen.append(g)
+            assert s.locate(b) == whole.locate(g) and s.step_of(b) == whole.step_of(g)
+            assert whole.drafter_of(g) == k * m + s.drafter_of(b)
+        for step in range(s.total_steps):
+            for j in range(m):
+                assert [s.global_id(b) for b in s.drafter_batches(step, j)] == \
+                    list(whole.drafter_batches(step, k * m + j))
+    assert sorted(seen) == list(range(whole.total_batches))
+
+
+def test_from_config_per_node_and_whole():
+    cfg = config_from_dict({"topology": {"num_drafters": 2, "nodes": 2}, "train": {"grad_accum": 1}})
+    lengths = np.full(64, 40, dtype=np.int64)
+    whole, node1 = Schedule.from_config(cfg, lengths), Schedule.from_config(cfg, lengths, node=1)
+    assert (whole.per_step, whole.num_drafters, whole.nodes) == (4, 4, 1)
+    assert (node1.per_step, node1.num_drafters, node1.nodes, node1.node) == (2, 2, 2, 1)
+    assert node1.steps_per_epoch == whole.steps_per_epoch
+    with pytest.raises(ValueError):
+        Schedule.from_config(cfg, lengths, node=2)
