@@ -90,15 +90,6 @@ def assert_no_overlap(spans: list[dict], schedule: Schedule) -> None:
             assert max(e for _, e in when[step, "optimizer"]) <= min(t for t, _ in when[step + 1, "loader"])
 
 
-def test_grad_accumulation_matches_reference(cache_dir, tmp_path):
-    cfg = small_config(cache_dir, tmp_path / "run", "1-2", "train.grad_accum=2")
-    result = Job(cfg, progress=False).run()
-    assert result.exit_code == 0, result.reason
-    ref = train_reference(cfg, progress=False)
-    assert losses(tmp_path / "run") == ref.losses
-    assert_same_weights(final_weights(tmp_path / "run"), ref.state_dict)
-
-
 STAMPED = re.compile(r"^\[\d\d:\d\d:\d\d\] ")
 
 

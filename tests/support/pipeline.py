@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import torch
@@ -37,3 +38,10 @@ def assert_same_weights(got: dict, want: dict) -> None:
     assert keys and set(keys) <= set(got)
     differ = [k for k in keys if not torch.equal(got[k], want[k])]
     assert not differ, f"{len(differ)} tensors differ from the reference, e.g. {differ[:3]}"
+
+
+def free_port() -> int:
+    """A loopback port free right now (for a test's cluster rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -3,13 +3,13 @@ and SLURM's environment, and the Link of K nodes as K threads over loopback gloo
 exchange's sum against one machine's order, bit for bit; the replica check; a lost
 node; nodes launched with different jobs)."""
 
-import socket
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from support.pipeline import free_port
 
 from dflash_actors import cluster
 from dflash_actors.cluster import ClusterError, Exchange, Link, NodeSpec, first_host, node_spec
@@ -72,12 +72,6 @@ def test_first_host(nodelist, host):
 
 
 # -- the link -------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 RUNTIME = SimpleNamespace(collective_timeout_s=3.0, replica_check_every=2, start_timeout_s=20.0)
