@@ -119,5 +119,24 @@ def render(results: dict) -> str:
         out += ["", f"## Advice (the measured 2-2 stage costs plus {p['control_ms_per_step']} ms/step of measured "
                     "control latency; `launch.py --topology auto` applies the same rule to costs it probes)",
                 ""] + [f"- {line}" for line in p["advice"].values()]
+    c = results["benches"].get("cluster", {})
+    if "loopback" in c:
+        out += _cluster(c)
     out += _others(results["benches"])
     return "\n".join(out)
+
+
+def _cluster(c: dict) -> list[str]:
+    out = ["", f"## Across machines: the per-step exchange, {c['nodes']} nodes on loopback ({c['backend']})", ""]
+    out += _table(["drafter params", "exchange ms/step", "plain allreduce ms", "exchange GB/s"],
+                  [[f"{r['params']:,}", r["exchange_ms_median"], r["allreduce_ms_median"], r["exchange_gb_per_s"]]
+                   for r in c["loopback"]])
+    for name, est in c["scale_out"].items():
+        nodes = list(next(iter(est["links"].values())))
+        out += ["", f"### Paper estimate, {est['model']} ({est['drafter_params'] / 1e9:.2f}B drafter params), {name}: "
+                    f"{est['node_tokens_per_s']:.0f} tok/s per node ({c['node_split']} on 8 GPUs), "
+                    f"{est['step_compute_s']} s of compute per step", ""]
+        out += _table(["interconnect", *(f"{k} node(s) tok/s (efficiency)" for k in nodes), "exchange s/step"],
+                      [[link, *(f"{v[k]['tokens_per_s']:.0f} ({v[k]['efficiency']})" for k in nodes),
+                        v[nodes[-1]]["exchange_s"]] for link, v in est["links"].items()])
+    return out

@@ -42,6 +42,12 @@ Three parts, all plain arithmetic on floats (no torch, nothing measured here):
    gradient sum lives there), transfers do not overlap compute, the loader is free (prefetched), weights are
    read once per step per drafter, and the optimizer reads and writes 16 bytes per drafter parameter
    (fp32 master weight, gradient, two Adam moments) at 4.8 TB/s of HBM bandwidth. One GB is 1e9 bytes.
+
+4. **Scale-out across machines** (``scale_out``): K nodes, each at the per-node rate of part 3's best
+   split, exchange the drafter's fp32 gradient sum once per optimizer step (``cluster``: a pipelined
+   chain through the nodes, then a broadcast back, about ``2 * bytes / bandwidth`` plus one chunk per hop).
+   The exchange sits on the step's critical path (the next step needs its weights), so a step takes
+   ``compute + exchange``; one NIC's bandwidth per node carries it.
 """
 
 from __future__ import annotations
@@ -308,3 +314,42 @@ def project(shape: ModelShape, w: Workload, tflops: float, links: Iterable[Link]
         "no_transfer": _best_splits(base, devices, grad_accum),
         "links": per_link,
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Scale-out across machines
+# ---------------------------------------------------------------------------------------------------------------
+
+INTERCONNECTS = (Link("InfiniBand NDR 400 Gb/s", 50.0), Link("InfiniBand HDR 200 Gb/s", 25.0),
+                 Link("100 GbE", 12.5), Link("25 GbE", 3.125))
+CHAIN_CHUNK_BYTES = 16 * 2 ** 20      # cluster.CHUNK floats of 4 bytes
+HOP_LATENCY_S = 20e-6
+
+
+def exchange_s(params: int, nodes: int, link: Link, grad_bytes: int = 4) -> float:
+    """One step's cross-node exchange: the chain (one transfer, plus a chunk per extra hop) and the broadcast."""
+    if nodes == 1:
+        return 0.0
+    size, bw = params * grad_bytes, link.gb_per_s * 1e9
+    chain = (size + (nodes - 2) * min(size, CHAIN_CHUNK_BYTES)) / bw
+    broadcast = size / bw + math.ceil(math.log2(nodes)) * HOP_LATENCY_S
+    return chain + broadcast + nodes * HOP_LATENCY_S
+
+
+def scale_out(shape: ModelShape, w: Workload, node_tokens_per_s: float, batches_per_node_step: int,
+              links: Iterable[Link] = INTERCONNECTS, nodes: Iterable[int] = (1, 2, 4, 8)) -> dict:
+    """Throughput at K nodes, per interconnect: ``{link: {K: {tokens_per_s, efficiency, exchange_s}}}``
+    plus the step's compute time; ``batches_per_node_step`` = grad_accum * drafters per node."""
+    params = drafter_params(shape, w)
+    compute = batches_per_node_step * w.token_budget / node_tokens_per_s
+    out = {}
+    for link in links:
+        row = {}
+        for k in nodes:
+            x = exchange_s(params, k, link, w.grad_bytes)
+            rate = k * batches_per_node_step * w.token_budget / (compute + x)
+            row[str(k)] = {"tokens_per_s": _sig(rate), "efficiency": _sig(rate / (k * node_tokens_per_s), 3),
+                           "exchange_s": _sig(x, 3)}
+        out[link.name] = row
+    return {"model": shape.name, "drafter_params": params, "node_tokens_per_s": _sig(node_tokens_per_s),
+            "batches_per_node_step": batches_per_node_step, "step_compute_s": _sig(compute, 3), "links": out}

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from dflash_actors import costmodel
 from dflash_actors.costmodel import (
     NVLINK,
     PCIE,
@@ -181,3 +182,24 @@ def test_control_latency_lengthens_the_drafter_chain_and_can_change_the_advice()
     assert advise(C, 4, 1)[0][:2] == (3, 1)
     assert advise(slow, 4, 1)[0][:2] == (2, 2)
     assert "control 5.0 ms/step" in explain(slow, 4, 1)
+
+
+def test_scale_out_charges_each_step_one_exchange():
+    shape, w = costmodel.SHAPES["qwen3-8b"], costmodel.Workload()
+    link = costmodel.Link("x", 10.0)
+    size = costmodel.drafter_params(shape, w) * 4
+    assert costmodel.exchange_s(1000, 1, link) == 0.0
+    # two nodes: the chain is one transfer, the broadcast another
+    assert costmodel.exchange_s(size // 4, 2, link) == pytest.approx(2 * size / 10e9, rel=1e-3)
+    # each further hop adds a chunk, not a whole transfer
+    extra = costmodel.exchange_s(size // 4, 8, link) - costmodel.exchange_s(size // 4, 2, link)
+    assert 6 * costmodel.CHAIN_CHUNK_BYTES / 10e9 <= extra < 0.05 * 2 * size / 10e9
+    est = costmodel.scale_out(shape, w, 50_000.0, 4, [link], nodes=(1, 2, 8))
+    rows = est["links"]["x"]
+    compute = 4 * w.token_budget / 50_000.0
+    assert est["step_compute_s"] == pytest.approx(compute, rel=1e-3)
+    assert rows["1"] == {"tokens_per_s": 50_000.0, "efficiency": 1.0, "exchange_s": 0.0}
+    for k in ("2", "8"):
+        x = rows[k]["exchange_s"]
+        assert rows[k]["efficiency"] == pytest.approx(compute / (compute + x), abs=2e-3)
+        assert rows[k]["tokens_per_s"] == pytest.approx(int(k) * 50_000.0 * compute / (compute + x), rel=2e-3)
