@@ -231,6 +231,8 @@ class Link:
         self.reduce_s: list[float] = []
         self.chain_s: list[float] = []
         self.checked: list[int] = []
+        self.waiting: Optional[tuple[list[int], float]] = None
+        """(nodes not there yet, since when: monotonic) while in a barrier this long."""
         self._on_fail: Callable[[str], None] = lambda reason: None
         self._exchange: Optional[Exchange] = None
         self._stop = threading.Event()         # the exchange thread
@@ -392,9 +394,14 @@ class Link:
 
     def _wait_keys(self, names: list[str], timeout_s: Optional[float], what: str, stoppable: bool = False) -> None:
         keys = [self._key(x) for x in names]
-        end = None if timeout_s is None else time.monotonic() + timeout_s
-        pause = 0.0005
+        t0 = time.monotonic()
+        end = None if timeout_s is None else t0 + timeout_s
+        pause, look = 0.0005, t0 + 0.5
         while not self.store.check(keys):
+            if time.monotonic() > look:     # for status.json: who this node waits for
+                self.waiting = ([int(x.rsplit("/", 1)[1]) for x, k in zip(names, keys) if not self.store.check([k])],
+                                t0)
+                look = time.monotonic() + 0.5
             if self.failure:
                 raise ClusterError(self.failure)
             if stoppable and self._stop.is_set():
@@ -405,6 +412,7 @@ class Link:
                                       f"{timeout_s:.0f} s")
             time.sleep(pause)
             pause = min(0.02, pause * 2)
+        self.waiting = None
 
     def _beat(self) -> None:
         """Beat in the store; a peer silent for the timeout, or one that said it
@@ -438,6 +446,17 @@ class Link:
         if self._exchange is not None:
             self._exchange.head[Exchange.FAILED] = 1
         self._on_fail(self.failure)     # idempotent: the supervisor stops once
+
+    def status(self) -> dict:
+        """The ``cluster`` block of status.json."""
+        n, waiting = self.node, self.waiting
+        out = {"nodes": n.nodes, "rank": n.rank, "master": f"{n.addr}:{n.port}", "steps_exchanged": len(self.reduce_s),
+               "exchange_ms_last": round(self.reduce_s[-1] * 1e3, 2) if self.reduce_s else None,
+               "exchange_ms_mean": round(_mean(self.reduce_s) * 1e3, 2) if self.reduce_s else None,
+               "replica_checks": len(self.checked), "failure": self.failure, "waiting_for": None}
+        if waiting is not None and waiting[0]:
+            out["waiting_for"] = {"nodes": waiting[0], "s": round(time.monotonic() - waiting[1], 1)}
+        return out
 
     # -- the end ------------------------------------------------------------------
 

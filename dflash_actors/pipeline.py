@@ -176,6 +176,7 @@ class Job:
         rundir.check(self.run_dir)
         check_faults(cfg.runtime.faults, wiring.actor_classes(cfg))
         self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
+        bulk = bulk_device(cfg, self.pre.devices.drafters[0]) if node.nodes > 1 else None
         with console.phase("read the target's config (the tiny default is built once)", progress):
             self.target = target_info(cfg, "cpu")
         self.pre.dataset.check_values(self.target.vocab_size, progress=progress)
@@ -198,7 +199,7 @@ class Job:
                 self.start = Start(model, 0)    # node 0's, once the nodes have met
             self.layout = ParamLayout.of(self.start.model)
             if node.nodes > 1:
-                self.link = Link(node, cfg.runtime, bulk_device(cfg, self.pre.devices.drafters[0]))
+                self.link = Link(node, cfg.runtime, bulk)
                 with console.phase(f"meet the other nodes ({node.describe()})", progress):
                     self.link.join(self._fingerprint(), same_job)
                 with console.phase("receive node 0's starting point" if node.rank else "send the starting point",
@@ -301,7 +302,7 @@ class Job:
         monitor = Monitor(cfg, sched, self.shared, first, self.progress)
         sup = Supervisor(cfg.runtime, stages, wiring.rings(cfg, width, feature_dtype), sched.total_batches,
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
-                         num_threads=cfg.train.num_threads, on_status=monitor)
+                         num_threads=cfg.train.num_threads, on_status=self._on_status(monitor))
         monitor.watch(sup.work_times, stages)
         if self.link is not None:
             sh = self.shared
@@ -320,6 +321,16 @@ class Job:
             self.accounts = self._accounting(monitor, first)
             if evaluator is not None:
                 evaluator.finish(cfg.runtime.hang_timeout_s)
+
+    def _on_status(self, monitor: Monitor):
+        if self.link is None:
+            return monitor
+        link = self.link
+
+        def on_status(status: dict) -> None:
+            monitor(status)
+            status["cluster"] = link.status()
+        return on_status
 
     def _accounting(self, monitor: Monitor, first: int) -> dict:
         devices = {"target": self.pre.devices.targets[0], "drafter": self.pre.devices.drafters[0]}

@@ -141,7 +141,21 @@ def render(status: dict, now: float, run_dir: str = "-") -> str:
     rings = status.get("rings") or {}
     ring_text = "  ".join(f"{name} {_of(r.get('used'), r.get('slots'))}" for name, r in rings.items() if r)
     lines.append(f"{'rings':<10} {ring_text or '-'}")
+    if status.get("cluster"):
+        lines.append(f"{'cluster':<10} {_cluster(status['cluster'])}")
     return "\n".join(_clip(line) for line in lines)
+
+
+def _cluster(c: dict) -> str:
+    """``node 1 of 2 (rendezvous ...), 12 steps exchanged at 11.2 ms; waiting for node 0 for 3.1 s``."""
+    text = (f"node {c.get('rank')} of {c.get('nodes')} (rendezvous {c.get('master')}), "
+            f"{c.get('steps_exchanged', 0)} steps exchanged at {_fmt(c.get('exchange_ms_mean'), '.1f', ' ms')}")
+    waiting = c.get("waiting_for")
+    if c.get("failure"):
+        text += f"; {c['failure']}"
+    elif waiting:
+        text += f"; waiting for node {', '.join(map(str, waiting['nodes']))} for {waiting['s']:.1f} s"
+    return text
 
 
 def _actor_table(actors: list[tuple[str, dict]], lag: float) -> list[str]:

@@ -58,6 +58,12 @@ CASES = {
     "unknown simulated shape": (["--set", "runtime.simulate.model=gpt-9"], "runtime.simulate.model: unknown shape"),
     "missing held-out data": (["--set", "eval.every=5", "--set", "eval.data=/no/such/heldout"], "/no/such/heldout"),
     "eval device": (["--set", "eval.device=gpu"], "eval.device: 'cpu' or 'cuda:N'"),
+    "node rank": (["--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:29500"],
+                  "--node-rank: must be in [0, 1] for 2 nodes (got 2)"),
+    "master": (["--nnodes", "2", "--node-rank", "0", "--master", "node0"], "--master: expected ADDR:PORT"),
+    "nodes by --set": (["--set", "topology.nodes=2"], "topology.nodes: set by --nnodes"),
+    "nccl on cpu": (["--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1", "--set",
+                     "runtime.collective_backend=nccl"], "nccl needs the drafters on CUDA devices"),
 }
 
 

@@ -195,3 +195,19 @@ def test_watch_on_a_terminal_redraws_in_place_and_ctrl_c_returns_the_last_code(t
     code, out, err = _run(tmp_path, capsys, _status(), "--watch")
     assert code == 0 and err == ""
     assert out.startswith("\033[H\033[Jrunning: ") and out.count("\033[H\033[J") == 1
+
+
+@pytest.mark.parametrize("extra,says", [
+    ({"waiting_for": {"nodes": [1], "s": 3.24}, "failure": None}, "; waiting for node 1 for 3.2 s"),
+    ({"waiting_for": None, "failure": "lost node 1: no heartbeat from its supervisor for 120 s"},
+     "; lost node 1: no heartbeat"),
+])
+def test_a_node_of_several_says_which_and_whom_it_waits_for(tmp_path, capsys, extra, says):
+    cluster = {"nodes": 2, "rank": 0, "master": "10.0.0.1:29500", "steps_exchanged": 41, "exchange_ms_mean": 11.25,
+               **extra}
+    code, out, _ = _run(tmp_path, capsys, _status(cluster=cluster))
+    assert code == 0
+    line = [x for x in out.splitlines() if x.startswith("cluster")]
+    assert len(line) == 1 and len(line[0]) <= statusview.WIDTH
+    head = "cluster    node 0 of 2 (rendezvous 10.0.0.1:29500), 41 steps exchanged at 11.2 ms"
+    assert line[0].startswith(head + says)

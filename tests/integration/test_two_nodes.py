@@ -69,3 +69,7 @@ def test_two_nodes_train_what_one_machine_with_both_drafters_trains(cache_dir, t
     state = load_trainer_state(list_checkpoints(runs[0])[-1])
     assert state["batches_applied"] == ref.steps * 4 == state["next_batch"]
     assert json.loads((runs[1] / "summary.json").read_text())["checkpoint"] is None
+    # status.json: which node, and every step exchanged
+    for k, run in enumerate(runs):
+        c = json.loads((run / "status.json").read_text())["cluster"]
+        assert (c["rank"], c["nodes"], c["steps_exchanged"], c["failure"]) == (k, 2, ref.steps, None)
