@@ -113,13 +113,19 @@ def main(argv=None) -> int:
     # in one line instead (read when torch loads, which the next import does).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
-        from dflash_actors.cluster import node_spec
+        from dflash_actors.cluster import launcher_restart, node_spec
+        from dflash_actors.rundir import SAVED_CONFIG
         node = node_spec(args.nnodes, args.node_rank, args.master)
         if any(o.partition("=")[0].strip() == "topology.nodes" for o in args.overrides):
             raise ValueError("topology.nodes: set by --nnodes or the torchrun/SLURM environment, not --set")
         if node.rank and given:     # node k keeps its own files in a folder of the run's
             given = str(Path(given) / f"node-{node.rank}")
             args.resume = given if args.resume is not None else None
+        # Relaunched by torchrun --max-restarts or a SLURM requeue with the first command
+        # line: continue the run it started rather than refuse its checkpoints.
+        if args.resume is None and given and launcher_restart() and (Path(given) / SAVED_CONFIG).is_file():
+            print(f"relaunch {launcher_restart()} of this job: resuming {given}", file=sys.stderr)
+            args.resume, args.run_dir = given, None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

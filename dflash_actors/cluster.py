@@ -121,6 +121,13 @@ def node_spec(nnodes: Optional[int] = None, node_rank: Optional[int] = None, mas
     return NodeSpec()
 
 
+def launcher_restart(env=None) -> int:
+    """How many times torchrun (``--max-restarts``) or SLURM (a requeue) has relaunched
+    this job: 0 on its first launch."""
+    env = os.environ if env is None else env
+    return max(int(env.get("TORCHELASTIC_RESTART_COUNT") or 0), int(env.get("SLURM_RESTART_COUNT") or 0))
+
+
 def _checked(nodes: int, rank: int, addr: str, port: int, rank_name: str) -> NodeSpec:
     if nodes < 1:
         raise ValueError(f"--nnodes: must be >= 1 (got {nodes})")

@@ -87,3 +87,39 @@ def test_a_lost_node_stops_the_other_and_both_resume(cache_dir, tmp_path, victim
     assert_same_weights(final_weights(run_dir), ref.state_dict)
     resumed = losses(run_dir)
     assert resumed and resumed == ref.losses[-len(resumed):]
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(600)
+def test_torchrun_max_restarts_relaunches_both_nodes_which_resume(cache_dir, tmp_path):
+    """Under ``torchrun --max-restarts 1``: kill -9 of node 1's launch.py; node 0's stops
+    on the lost node, torchrun relaunches both with the first command line, each sees
+    it is a relaunch and resumes, and the run ends as one machine's would."""
+    run_dir, port = tmp_path / "run", free_port()
+    ref = train_reference(small_config(cache_dir, tmp_path / "ref", "1-2", *ARGS[len(SMALL):]), progress=False)
+    sets = [x for a in [*ARGS, f"data.cache_dir={cache_dir}"] for x in ("--set", a)]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--max-restarts", "1", "--node-rank", str(k), "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), "launch.py", "--topology", "1-1", "--run-dir",
+                               str(run_dir), *sets], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for k in (0, 1)]
+    try:
+        end = time.monotonic() + 240
+        while time.monotonic() < end:
+            st = status(run_dir / "node-1" / "status.json")
+            if st and (st.get("training") or {}).get("step", 0) >= 6:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the nodes never reached step 6")
+        psutil.Process(st["supervisor_pid"]).kill()
+        errs = [p.communicate(timeout=400)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for e in errs]
+    assert "error: lost node 1" in errs[0]
+    for k, e in enumerate(errs):
+        assert f"relaunch 1 of this job: resuming {run_dir / 'node-1' if k else run_dir}" in e
+    assert json.loads((run_dir / "summary.json").read_text())["cluster"]["replicas"].startswith("identical")
+    assert_same_weights(final_weights(run_dir), ref.state_dict)

@@ -12,7 +12,7 @@ import torch
 from support.pipeline import free_port
 
 from dflash_actors import cluster
-from dflash_actors.cluster import ClusterError, Exchange, Link, NodeSpec, first_host, node_spec
+from dflash_actors.cluster import ClusterError, Exchange, Link, NodeSpec, first_host, launcher_restart, node_spec
 from dflash_actors.config import ConfigError
 from dflash_actors.optim import reduce_and_step
 from dflash_actors.params import GradAccumulators, ParamLayout, WeightStore
@@ -69,6 +69,13 @@ def test_slurm_environment():
                                            ("x[3,5]", "x3")])
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
+
+
+def test_a_relaunch_by_torchrun_or_slurm_is_counted():
+    assert launcher_restart({}) == 0
+    assert launcher_restart({"TORCHELASTIC_RESTART_COUNT": "0"}) == 0
+    assert launcher_restart({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    assert launcher_restart({"SLURM_RESTART_COUNT": "1"}) == 1
 
 
 # -- the link -------------------------------------------------------------------
