@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU bring-up, in one call on a lent CUDA machine (the device tool); builds nothing.
 # Uses that machine's own python3 (which carries a CUDA torch, transformers, pyarrow,
-# pytest) with this checkout on PYTHONPATH. Fits in ~5 minutes; logs go to $OUT.
+# pytest) with this checkout on PYTHONPATH. Fits in ~6 minutes; logs go to $OUT.
 #   1. the CUDA-only tests: CUDA-IPC and pinned rings, flex_attention vs the dense mask
 #   2. the pipeline with a bf16 target, drafter and optimizer on one GPU (1-1 and 2-2),
 #      compared with the reference run on the same GPU (equal within tolerance, not bits)
@@ -31,3 +31,14 @@ stages = json.load(open("/tmp/gpu-2-2/summary.json"))["stages"]
 print(json.dumps({"check": "monitor", "gpu_mem_mb": gpu, "gpus": [r.get("gpus") for r in recs if r["kind"] == "resources"][-1:],
                   "target": stages.get("target"), "drafter": stages.get("drafter")}))
 PY
+# 4. two nodes on one machine (loopback), each 1-1 on cuda:0, the gradient chain over
+#    gloo from host memory (NCCL refuses two ranks on one GPU, so it cannot run here):
+#    both must finish with identical replicas and the exchange time in their summaries
+port=$((29500 + RANDOM % 1000))
+for r in 0 1; do
+  python3 launch.py --topology 1-1 --run-dir /tmp/gpu-nodes "${common[@]}" --nnodes 2 --node-rank $r \
+    --master 127.0.0.1:$port --set runtime.collective_backend=gloo \
+    --set 'topology.target_devices=[cuda:0]' --set 'topology.drafter_devices=[cuda:0]' > "$OUT/nodes_$r.log" 2>&1 &
+done
+wait
+grep -h '"cluster"' "$OUT"/nodes_*.log | python3 -c "import json,sys; print(json.dumps({'check': 'two_nodes', 'cluster': [json.loads(l)['cluster'] for l in sys.stdin]}))" | tee "$OUT/nodes.json"

@@ -306,6 +306,8 @@ class Link:
 
     def _serve(self, step: int) -> None:
         try:
+            if self.bulk_device is not None:    # the current CUDA device is per thread
+                torch.cuda.set_device(torch.device(self.bulk_device))
             while step < self._sched.total_steps:
                 while self._exchange.requested() < step:
                     if self._stop.wait(0.001):

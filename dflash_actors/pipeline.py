@@ -206,8 +206,9 @@ class Job:
                                    progress):
                     self._share_start()
             self.shared = self._allocate()
-        except BaseException:
+        except BaseException as e:
             if self.link is not None:
+                self.link.finish("failed", 0, first_line(e), "")    # the others stop now, not at their timeout
                 self.link.close()
             self.lock.release()
             raise

@@ -68,7 +68,7 @@ def test_math_changes_are_named():
     b = load_config(None, ["train.lr=1e-2", "runtime.hang_timeout_s=5", "topology.num_targets=3",
                            "topology.num_drafters=2"]).to_dict()
     assert math_changes(a, b) == [PER_STEP, "train.lr"]
-    with pytest.raises(ResumeError, match=r"num_drafters\): 1 -> 2, train\.lr: 0\.0006 -> 0\.01"):
+    with pytest.raises(ResumeError, match=r"topology\.nodes\): 1 -> 2, train\.lr: 0\.0006 -> 0\.01"):
         check_resumable(a, b)
     # Drafters traded for accumulation keep each step's batches: allowed, and said.
     same = load_config(None, ["topology.num_drafters=2", "train.grad_accum=2"]).to_dict()

@@ -195,7 +195,8 @@ class OptimizerStub:
     def __init__(self, run_dir, writer):
         train, runtime = SimpleNamespace(checkpoint_every=2), SimpleNamespace(run_dir=str(run_dir))
         self.spec = SimpleNamespace(cfg=SimpleNamespace(train=train, runtime=runtime),
-                                    schedule=SimpleNamespace(total_steps=10), weights=None)
+                                    schedule=SimpleNamespace(total_steps=10), weights=None,
+                                    writes_checkpoints=True)
         self.model = SimpleNamespace(save_pretrained=writer)
         self.reported = []
 
