@@ -99,7 +99,7 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
               spec=DrafterSpec(cfg, schedule, devices.drafters, s.weights, s.grads, s.batch_stats)),
         Stage("optimizer", Optimizer, State.GRAD_DONE, State.COMMITTED, route=in_order, credit=schedule.per_step,
               spec=OptimizerSpec(cfg, schedule, devices.drafters[0], first_step, s.weights, s.grads,
-                                 s.batch_stats, s.step_stats, s.exchange, writes_checkpoints=schedule.node == 0)),
+                                 s.batch_stats, s.step_stats, s.exchange)),
     ]
 
 

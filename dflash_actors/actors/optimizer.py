@@ -79,7 +79,6 @@ class OptimizerSpec:
     """``metrics.step_table``: row s gets step s's metrics."""
     exchange: Optional[Exchange] = None
     """Across machines: where the link puts each step's cross-node sum (None: one machine)."""
-    writes_checkpoints: bool = True
 
 
 class Optimizer(Actor):
@@ -186,7 +185,7 @@ class Optimizer(Actor):
         every = cfg.train.checkpoint_every
         if not every or not version or version % every or version == self.spec.schedule.total_steps:
             return      # the final checkpoint is written by the job once actors stop
-        if not self.spec.writes_checkpoints:
+        if self.spec.schedule.node:
             return      # across machines node 0 writes them
         run_dir = cfg.runtime.run_dir
         with self.beating(), self.span("checkpoint", step=version):

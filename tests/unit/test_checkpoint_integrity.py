@@ -195,8 +195,7 @@ class OptimizerStub:
     def __init__(self, run_dir, writer):
         train, runtime = SimpleNamespace(checkpoint_every=2), SimpleNamespace(run_dir=str(run_dir))
         self.spec = SimpleNamespace(cfg=SimpleNamespace(train=train, runtime=runtime),
-                                    schedule=SimpleNamespace(total_steps=10), weights=None,
-                                    writes_checkpoints=True)
+                                    schedule=SimpleNamespace(total_steps=10, node=0), weights=None)
         self.model = SimpleNamespace(save_pretrained=writer)
         self.reported = []
 
