@@ -226,6 +226,14 @@ class Batch:
                    torch.from_numpy(buf.loss_mask[:T]), torch.from_numpy(buf.cu_seqlens[:B + 1]),
                    meta.max_len)
 
+    @classmethod
+    def from_slot(cls, slot: dict[str, torch.Tensor], meta: BatchMeta) -> "Batch":
+        """The batch in a ring slot, as views of the slot's tensors wherever they live
+        (a feature ring in device memory too: no numpy on the way)."""
+        T, B = meta.n_tokens, meta.n_samples
+        return cls(slot["input_ids"][:T], slot["position_ids"][:T], slot["loss_mask"][:T],
+                   slot["cu_seqlens"][:B + 1], meta.max_len)
+
     @property
     def n_samples(self) -> int:
         return len(self.cu_seqlens) - 1

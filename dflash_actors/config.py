@@ -226,6 +226,21 @@ class JobRuntimeConfig(RuntimeConfig):
     """lockstep: the old loop, for comparison: each step loads, then runs the targets,
     then the drafters, then the optimizer, with no overlap (same math, same bytes)."""
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    grad_durability: Literal["batch", "step"] = "step"
+    """Where a drafter keeps its running gradient sum between the batches of a step
+    (it matters only with ``train.grad_accum`` > 1). ``step``: on its device, stored in
+    shared memory once, with the step's last batch; a drafter that dies has its
+    batches of the step made again, from the loader on. ``batch``: stored in shared
+    memory after every batch, so a dying drafter loses nothing, at the price of
+    copying the whole sum from and back to the device for every batch. The math is
+    the same, bit for bit. ``benchmarks/bench_durability.py`` measures both."""
+    feature_transport: Literal["auto", "host", "cuda"] = "auto"
+    """Where the feature ring (the target's hidden states for the drafters) lives.
+    ``host``: shared host memory, page-locked by every GPU actor that copies it;
+    ``cuda``: device memory of the first drafter's GPU, written by the targets and
+    read in place by the drafters through CUDA IPC (peer to peer from other GPUs);
+    ``auto``: cuda when every target and drafter is on a GPU that can reach that one
+    peer to peer, else host."""
 
 
 @dataclass(frozen=True)

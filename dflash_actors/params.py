@@ -28,9 +28,12 @@ buffers, with a header naming the last batch included::
     grads       [M, 2, P] f32
     grad_head   [M] int64    (last_batch + 1) << 21 | count << 1 | active buffer;  0 = nothing yet
 
-``count`` is how many batches the sum holds (a step's first batch starts it at 1). A
-drafter adds batch b into the inactive buffer, then flips the header (its commit
-point), then commits GRAD_DONE in the ledger. Killed in between, its replacement sees
+``count`` is how many batches the sum holds. Under ``runtime.grad_durability: batch`` a
+drafter commits after every batch (a step's first starts the count at 1); under
+``step`` it keeps the sum on its device and commits once, on its last batch of the
+step, with the count of the whole step. A commit writes the sum into the inactive
+buffer, then flips the header (its commit point); the drafter then commits GRAD_DONE
+in the ledger. Killed in between, its replacement sees
 the header already names b and does not add b twice; and the optimizer checks that
 each sum holds exactly the step's batches, both the last one and how many, before it
 uses it, so a batch added twice or lost would stop the job rather than train it.
@@ -194,12 +197,11 @@ class GradAccumulators:
     def active(self, j: int) -> list[torch.Tensor]:
         return self.layout.views(self.active_flat(j))
 
-    def commit(self, j: int, batch_id: int, grads: list[torch.Tensor], first: bool = True) -> None:
-        """Store the running sum that now includes ``batch_id``, then flip the header;
-        ``first``: the sum starts with this batch (else it adds to the active one)."""
+    def commit(self, j: int, batch_id: int, grads: list[torch.Tensor], count: int = 1) -> None:
+        """Store the running sum that now holds ``count`` batches, the last of them
+        ``batch_id``, then flip the header."""
         head = int(self.head[j])
         b = 1 - (head & 1)
-        count = 1 if first else ((head >> 1) & _COUNT_MASK) + 1
         if count > _COUNT_MASK:
             raise ValueError(f"a gradient sum holds at most {_COUNT_MASK} batches")
         with torch.no_grad():

@@ -8,8 +8,9 @@ take over a second shows progress.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -23,6 +24,36 @@ from .synthetic import ensure_synthetic_dataset
 class Devices:
     targets: tuple[str, ...]
     drafters: tuple[str, ...]
+    features: str = "cpu"
+    """Where the feature ring lives (``feature_device``)."""
+
+
+def feature_device(transport: str, targets: tuple[str, ...], drafters: tuple[str, ...],
+                   peer: Callable[[int, int], bool] | None = None) -> str:
+    """The feature ring's device for ``runtime.feature_transport``: the first drafter's
+    GPU, or cpu. Each target writes and each drafter reads that device's memory, so
+    every one of them must be on a GPU that reaches it: the same one, or a peer
+    (``peer(a, b)``: can device a access device b, as ``torch.cuda.can_device_access_peer``)."""
+    if transport == "host":
+        return "cpu"
+    on_cpu = [d for d in (*targets, *drafters) if not d.startswith("cuda:")]
+    ring = drafters[0]
+    if not on_cpu:
+        peer = peer or torch.cuda.can_device_access_peer
+        k = int(ring[5:])
+        far = sorted({d for d in (*targets, *drafters) if int(d[5:]) != k and not peer(int(d[5:]), k)})
+    else:
+        far = []
+    if transport == "auto":
+        return "cpu" if on_cpu or far else ring
+    if on_cpu:
+        raise ConfigError(f"runtime.feature_transport: cuda needs every target and drafter on a GPU, but "
+                          f"{', '.join(sorted(set(on_cpu)))} is in the topology (targets {list(targets)}, "
+                          f"drafters {list(drafters)}); use host or auto")
+    if far:
+        raise ConfigError(f"runtime.feature_transport: cuda puts the feature ring on {ring}, which "
+                          f"{', '.join(far)} cannot reach peer to peer; use host or auto")
+    return ring
 
 
 def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:
@@ -63,6 +94,8 @@ def preflight(cfg: Config, progress: bool = True) -> Preflight:
     epoch's plan. Token ids are checked against the vocabulary by the caller once it
     knows the target (``TokenDataset.check_values``)."""
     devices = resolve_devices(cfg)
+    devices = replace(devices, features=feature_device(cfg.runtime.feature_transport, devices.targets,
+                                                       devices.drafters))
     train = train_path(cfg)
     if cfg.eval.every and cfg.eval.data is not None:
         open_dataset(cfg.data, progress=False, path=cfg.eval.data)     # bad held-out data: exit 2 now

@@ -120,6 +120,10 @@ class Schedule:
         prev = b - self.num_drafters
         return prev if prev >= self.first_of_own_step(b) else None
 
+    def is_last_for_drafter(self, b: int) -> bool:
+        """b is the last batch its drafter adds in its step (its sum is then complete)."""
+        return b + self.num_drafters >= self.first_of_step(self.step_of(b) + 1)
+
     def is_last_of_step(self, b: int) -> bool:
         return b == self.first_of_step(self.step_of(b) + 1) - 1
 

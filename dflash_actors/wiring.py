@@ -5,7 +5,9 @@ four stages, each given a typed spec of exactly what it needs.
     loader.0     PLANNED   -> LOADED      -> batch ring              lowest id first
     target.i     LOADED    -> FEATURED    batch -> feature ring      any free target
     drafter.j    FEATURED  -> GRAD_DONE   feature ring -> grads[j]   Schedule.drafter_of(b) == j,
-                                                                     once step(b)'s weights exist
+                                                                     once step(b)'s weights exist;
+                                                                     with grad_durability step,
+                                                                     durable on its last of the step
     optimizer.0  GRAD_DONE -> COMMITTED   grads -> weights v+1       in order
                                           (across machines: grads ->
                                           link -> all nodes' sum)
@@ -74,13 +76,14 @@ class JobShared:
                    stats, step_table(schedule.total_steps), exchange)
 
 
-def rings(cfg: Config, feature_width: int, feature_dtype: str) -> list[RingSpec]:
-    """The batch ring and the feature ring, both in (pinned) host memory: the drafter
-    reads the batch fields through numpy views of its feature slot."""
+def rings(cfg: Config, feature_width: int, feature_dtype: str, feature_device: str = "cpu") -> list[RingSpec]:
+    """The batch ring, in (pinned) host memory, and the feature ring, there too or on
+    ``feature_device`` (``runtime.feature_transport``); the drafter reads the batch
+    fields from its feature slot as tensors, wherever the slot lives."""
     b, r = cfg.batching, cfg.runtime
     return [RingSpec("batch", r.batch_slots, ring_fields(b.token_budget, b.max_samples)),
             RingSpec("features", r.feature_slots,
-                     ring_fields(b.token_budget, b.max_samples, feature_width, feature_dtype))]
+                     ring_fields(b.token_budget, b.max_samples, feature_width, feature_dtype), feature_device)]
 
 
 def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared, train_path: Path,
@@ -96,6 +99,7 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
               in_ring="batch", out_ring="features", credit=1, gather=gather, spec=TargetSpec(cfg, devices.targets)),
         Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=cfg.topology.num_drafters,
               in_ring="features", route=schedule.drafter_of, barrier=schedule.first_of_own_step, gather=gather,
+              durable=schedule.is_last_for_drafter if cfg.runtime.grad_durability == "step" else None,
               spec=DrafterSpec(cfg, schedule, devices.drafters, s.weights, s.grads, s.batch_stats)),
         Stage("optimizer", Optimizer, State.GRAD_DONE, State.COMMITTED, route=in_order, credit=schedule.per_step,
               spec=OptimizerSpec(cfg, schedule, devices.drafters[0], first_step, s.weights, s.grads,

@@ -2,18 +2,27 @@
 
 Contract:
   consumes  ``Work(b)`` for FEATURED batches with ``Schedule.drafter_of(b) == j``, in
-            increasing b; reads feature slot ``in_slot`` and weight version
-            ``s = Schedule.step_of(b)`` from the shared ``WeightStore``
-  produces  batch b's stats row, then its gradient added into this drafter's running
-            sum for step s (``GradAccumulators``: header flip = commit point); the base
-            then commits GRAD_DONE and the feature slot is freed
+            increasing b; reads feature slot ``in_slot`` (host or device memory,
+            ``runtime.feature_transport``) and weight version ``s = Schedule.step_of(b)``
+            from the shared ``WeightStore``
+  produces  batch b's stats row, and b's gradient added into this drafter's running
+            sum for step s. Where that sum lives is ``runtime.grad_durability``:
+              batch  in shared memory (``GradAccumulators``, header flip = commit
+                     point), loaded to the device and stored back for every batch
+              step   on the device, in ``p.grad``; stored into ``GradAccumulators``
+                     once, on the drafter's last batch of the step
+            the base then commits GRAD_DONE and the feature slot is freed
   waits for nothing: the supervisor sends batch b only once every batch of the steps
             before s is committed, i.e. once the optimizer has published version s
             (the stage's ``barrier``), so the weights it needs are always there
   on restart rebuilds the module (cheap: weights come from the store); a batch the
-            header already names is not added again, and the next batch continues
-            from the committed running sum, so the sum is bit-identical to one never
-            interrupted.
+            header already names is not added again. With ``batch`` the next batch
+            continues from the committed running sum; with ``step`` the sum of the
+            current step died with the process, so the supervisor sends this
+            drafter's batches of the step since its last commit back to the loader
+            (the stage is ``durable`` only on the last batch) and they are made and
+            added again, in the same order: either way the sum is bit-identical to
+            one never interrupted.
 Under ``runtime.simulate`` forward and backward are a wait: the features are still
 copied out of the slot (and their stamp checked), and every gradient still written.
 """
@@ -24,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import FEATURES, Batch, BatchBuffers, BatchMeta
+from ..batching import FEATURES, Batch, BatchMeta
 from ..config import Config
 from ..metrics import write_batch
 from ..models.drafter import build_drafter
@@ -65,6 +74,9 @@ class Drafter(Actor):
         self.gamma = decay_gamma(self.spec.cfg)
         self.version = -1
         self.nan_batch = -1
+        self.keep_sum = self.spec.cfg.runtime.grad_durability == "step"
+        self.sum_through = -1
+        """The last batch in ``p.grad`` (``step`` durability; -1: none)."""
         self.sim = SimulatedCompute.from_config(self.spec.cfg)
         if self.sim is not None:
             like = self.in_ring.slot(0)[FEATURES]
@@ -89,32 +101,46 @@ class Drafter(Actor):
         with self.span("weights", b):
             self._load_weights(sched.step_of(b))
         with self.span("gradient load", b):
-            self._load_running_sum(b)
+            count = self._running_sum(b)
         meta = BatchMeta(*self.ledger.meta(b))
         slot = self.in_ring.slot(w.in_slot)
-        batch = Batch.from_buffers(BatchBuffers.from_tensors(slot), meta).to(self.device)
+        batch = Batch.from_slot(slot, meta).to(self.device)
         with self.span("drafter forward/backward", b, tokens=meta.n_tokens):
             stats = self._train(b, batch, slot[FEATURES][:meta.n_tokens])
         if self.nan_batch == b:     # runtime.faults kind "nan": the optimizer must catch it
             for p in self.params:
                 p.grad.fill_(float("nan"))
         write_batch(self.spec.batch_stats, b, stats, meta.n_tokens)
-        with self.span("gradient commit", b):
-            acc.commit(self.j, b, [p.grad for p in self.params],
-                       first=self.spec.schedule.previous_for_drafter(b) is None)
+        self.sum_through = b
+        if not (self.keep_sum and not sched.is_last_for_drafter(b)):
+            with self.span("gradient commit", b):
+                acc.commit(self.j, b, [p.grad for p in self.params], count)
+        if self.device.type == "cuda":
+            # Kernels may still read the slot (in place, when the feature ring is on
+            # this GPU); it is freed, and rewritten by a target, once we commit.
+            torch.cuda.synchronize(self.device)
 
-    def _load_running_sum(self, b: int) -> None:
-        """p.grad = this step's running sum so far (None for the drafter's first batch)."""
-        acc, prev = self.spec.grads, self.spec.schedule.previous_for_drafter(b)
+    def _running_sum(self, b: int) -> int:
+        """Make p.grad this step's running sum before batch b (None for the drafter's
+        first batch of the step); how many batches it will hold with b."""
+        acc, sched = self.spec.grads, self.spec.schedule
+        prev = sched.previous_for_drafter(b)
         if prev is None:
             for p in self.params:
                 p.grad = None
-            return
+            return 1
+        count = (b - sched.first_of_own_step(b)) // sched.num_drafters + 1
+        if self.keep_sum:
+            if self.sum_through != prev:
+                raise ProtocolError(f"{self.ctx.actor_id}: batch {b} follows {prev}, but the sum on the device "
+                                    f"ends at {self.sum_through}")
+            return count
         if acc.last_batch(self.j) != prev:
             raise ProtocolError(f"{self.ctx.actor_id}: batch {b} follows {acc.last_batch(self.j)}, "
                                 f"expected {prev}")
         for p, g in zip(self.params, acc.active(self.j)):
             p.grad = g.to(self.device, copy=True)
+        return count
 
     def _train(self, b: int, batch: Batch, slot_features: torch.Tensor):
         """Forward and backward of batch b (gradients added into p.grad); its stats."""

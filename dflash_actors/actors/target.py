@@ -5,7 +5,8 @@ Contract:
             targets run as far ahead of the drafters as the feature ring allows)
   produces  feature slot ``out_slot``: the batch's packed fields copied over (so the
             batch slot can be freed) plus the features ``[:T]`` = the selected layers'
-            outputs, concatenated; the base then commits FEATURED
+            outputs, concatenated; the slot is in host memory or on a GPU
+            (``runtime.feature_transport``); the base then commits FEATURED
   waits for a free feature slot (reserved by the supervisor before dispatch)
   on start checks its features against the model's plain forward (``target.self_check``);
             a mismatch raises ``SelfCheckFailed`` and stops the job before training
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import FEATURES, Batch, BatchBuffers, BatchMeta, copy_batch
+from ..batching import FEATURES, Batch, BatchMeta, copy_batch
 from ..config import Config
 from ..runtime.actor import Actor, Escalate
 from ..simulate import SimulatedCompute, stamp, wait
@@ -70,14 +71,17 @@ class Target(Actor):
         meta = BatchMeta(*self.ledger.meta(b))
         src, dst = self.in_ring.slot(w.in_slot), self.out_ring.slot(w.out_slot)
         copy_batch(src, dst, meta)
-        batch = Batch.from_buffers(BatchBuffers.from_tensors(src), meta).to(self.device, non_blocking=True)
+        batch = Batch.from_slot(src, meta).to(self.device, non_blocking=True)
         with self.span("target forward", b, tokens=meta.n_tokens):
             features = self._forward(batch, meta.n_tokens, b)
         out = dst[FEATURES][:meta.n_tokens]
         with self.span("feature copy", b, bytes=out.numel() * out.element_size()):
             out.copy_(features)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)   # the slot must be complete before the commit
+            # The slot must be complete before the commit: on our device, and on the
+            # ring's when the feature ring lives on another GPU (peer to peer).
+            for dev in {self.device, out.device}:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
 
     def _forward(self, batch: Batch, n_tokens: int, b: int) -> torch.Tensor:
         if self.sim is None:

@@ -22,7 +22,19 @@ Rules, chosen so that restarts never change what a consumer sees:
     as in a lock-step loop (the training job's ``runtime.schedule: lockstep``);
   * each actor holds at most ``credit`` dispatched batches (prefetch depth);
   * recovery (``on_death``) reads the ledger, not the dead actor's messages: see
-    ``ledger`` for settle vs put back.
+    ``ledger`` for settle vs put back;
+  * a routed stage may keep its results in the actor's memory until a ``durable``
+    batch (the training job's drafters under ``runtime.grad_durability: step`` keep a
+    step's running gradient sum on their device). What such an actor finished since
+    its last durable batch dies with it: those batches go back to the first stage and
+    are made again from the start (``redo``), and no later stage takes them before
+    they are durable;
+  * a redone batch comes back below batches that already hold slots, which breaks the
+    rule that the lowest batch always gets a slot (every ring may be full of later
+    batches waiting for it). So when a stage cannot reserve an output slot for its
+    lowest ready batch, the highest later batch idling in that ring gives its slot up
+    and goes back to the first stage too (``evicted``); in a run without redone
+    batches no later batch ever holds a slot the lowest one needs, so this never fires.
 """
 
 from __future__ import annotations
@@ -60,6 +72,10 @@ class Stage:
     """Batch id -> the id below which every batch must be final before it goes out."""
     gather: Optional[Callable[[int], range]] = None
     """Batch id -> its group: no batch of the group goes out before all have arrived."""
+    durable: Optional[Callable[[int], bool]] = None
+    """Routed stages: batch id -> whether its result outlives the actor that made it
+    (None: every result does). Results since an actor's last durable batch are redone
+    after its death."""
     credit: int = 2
     spec: Any = None
     """What every actor of this stage receives as ``self.spec``: a frozen dataclass of
@@ -97,6 +113,10 @@ class Dispatcher:
         for a, b in zip(stages, stages[1:]):
             if a.to_state != b.from_state or a.out_ring != b.in_ring:
                 raise ValueError(f"stage {b.role} does not consume what {a.role} produces")
+        for st in stages:
+            if st.durable is not None and (st.route is None or st is stages[-1]):
+                raise ValueError(f"stage {st.role}: durable needs a route (results are redone per actor) "
+                                 "and a later stage (which waits for them)")
         self.stages = stages
         self.ledger = ledger
         self.members = members
@@ -112,6 +132,13 @@ class Dispatcher:
         self.committed: list[int] = []
         """Batch ids in the order the last stage committed them, in this run."""
         self._final = [False] * self._n
+        self._provisional: dict[int, list[int]] = {n: [] for n in members}
+        """Batches actor n finished since its last durable one (``Stage.durable``)."""
+        self._pending: set[int] = set()
+        """All those batches: no later stage may take them yet."""
+        self.redone: list[int] = []
+        self.evicted: list[int] = []
+        """Batches sent back to the first stage, in this run (for the log and tests)."""
         self._arrived: list[dict[int, int]] = [{} for _ in stages]
         """Gathering stages: group start -> how many of its batches have reached the stage."""
         for b in range(self._n):
@@ -152,8 +179,9 @@ class Dispatcher:
                                 f"ledger says {names.get(now, now)}")
         self._settle(n, b)
 
-    def on_death(self, n: int) -> tuple[list[int], list[int]]:
-        """Recover what actor ``n`` held, from the ledger. Returns (settled, put back)."""
+    def on_death(self, n: int) -> tuple[list[int], list[int], list[int]]:
+        """Recover what actor ``n`` held, from the ledger, and redo what it finished but
+        had not made durable. Returns (settled, put back, redone)."""
         self._live.discard(n)
         i, _ = self.members[n]
         stage = self.stages[i]
@@ -174,7 +202,14 @@ class Dispatcher:
                 put_back.append(b)
                 if stage.route is not None:
                     self._cursor[n] = min(self._cursor[n], bisect.bisect_left(self._sequence[n], b))
-        return settled, put_back
+        redone = self._provisional[n]
+        self._provisional[n] = []
+        for b in redone:
+            self._pending.discard(b)
+            self._restart(b, i + 1)
+            self._cursor[n] = min(self._cursor[n], bisect.bisect_left(self._sequence[n], b))
+        self.redone += redone
+        return settled, put_back, redone
 
     def dispatch(self) -> list[tuple[int, Work]]:
         """Everything that can be sent now, as (actor number, Work)."""
@@ -188,6 +223,8 @@ class Dispatcher:
                            and seq[self._cursor[n]] in self._ready_set[i] and self._open(i, seq[self._cursor[n]])):
                         w = self._send(i, n, seq[self._cursor[n]])
                         if w is None:
+                            if self._evict_above(i, seq[self._cursor[n]]):
+                                continue
                             break
                         out.append((n, w))
                         self._cursor[n] += 1
@@ -204,6 +241,8 @@ class Dispatcher:
                     n = min(free, key=lambda m: (len(self._held[m]), m))
                     w = self._send(i, n, heap[0])
                     if w is None:
+                        if self._evict_above(i, heap[0]):
+                            continue
                         break
                     out.append((n, w))
         return out
@@ -227,6 +266,8 @@ class Dispatcher:
 
     def _open(self, i: int, b: int) -> bool:
         stage = self.stages[i]
+        if b in self._pending:
+            return False
         if stage.barrier is not None and stage.barrier(b) > self._frontier:
             return False
         if stage.gather is not None:
@@ -234,11 +275,37 @@ class Dispatcher:
             return self._arrived[i].get(group.start, 0) == len(group)
         return True
 
-    def _arrive(self, i: int, b: int) -> None:
-        """Batch b reached stage i (counted once: a put-back batch does not arrive again)."""
+    def _arrive(self, i: int, b: int, by: int = 1) -> None:
+        """Batch b reached stage i (counted once: a put-back batch does not arrive again;
+        a batch sent back to the first stage leaves, ``by=-1``, and arrives anew)."""
         if self.stages[i].gather is not None:
             start = self.stages[i].gather(b).start
-            self._arrived[i][start] = self._arrived[i].get(start, 0) + 1
+            self._arrived[i][start] = self._arrived[i].get(start, 0) + by
+
+    def _restart(self, b: int, i: int) -> None:
+        """Send batch b, waiting (not held) at stage i, back to the first stage: its
+        data slot is freed and the ledger row starts over."""
+        slot = self.ledger.restart(b, self.stages[0].from_state)
+        ring = self.stages[i].in_ring
+        if ring is not None and slot >= 0:
+            self.pools[ring].give(slot)
+        self._ready_set[i].discard(b)     # its heap entry, if any, is dropped lazily
+        for k in range(1, i + 1):
+            self._arrive(k, b, by=-1)
+        self._push(0, b)
+
+    def _evict_above(self, i: int, b: int) -> bool:
+        """Stage i has no free output slot for batch b: take one from the highest batch
+        above b that idles in that ring (waiting for stage i+1, not held), sending it
+        back to the first stage. False if there is none (the ring is busy with batches
+        below b or in flight, which free their slots by themselves)."""
+        idle = [c for c in self._ready_set[i + 1] if c > b and c not in self._pending]
+        if not idle:
+            return False
+        c = max(idle)
+        self._restart(c, i + 1)
+        self.evicted.append(c)
+        return True
 
     def _push(self, i: int, b: int) -> None:
         # Routed stages pick by cursor and need only the set; the others pop the heap.
@@ -266,6 +333,13 @@ class Dispatcher:
         if stage.in_ring is not None:
             self.pools[stage.in_ring].give(old)
         self._held[n].remove(b)
+        if stage.durable is not None:
+            if stage.durable(b):
+                self._pending.difference_update(self._provisional[n])
+                self._provisional[n] = []
+            else:
+                self._provisional[n].append(b)
+                self._pending.add(b)
         if i + 1 < len(self.stages):
             self._push(i + 1, b)
             self._arrive(i + 1, b)

@@ -24,6 +24,10 @@ written before STATE, and the reader learns of STATE through a pipe message or a
 process death, both of which order memory; so whoever sees the new STATE also sees the
 payload.
 
+A batch that nobody holds may also be sent back to the first state (``restart``) by
+the supervisor: its result lived in a dead actor's memory, or its slot is needed by a
+lower batch. Then STATE is written by the supervisor, the one time it is.
+
 Recovery after the death of actor X (``owned_by(X)``): a row whose STATE already is the
 transition's target was finished and only the Done message was lost, so it is settled
 as if Done had arrived; any other row is put back: OWNER and NEXT_SLOT cleared, the
@@ -125,6 +129,19 @@ class Ledger:
         r[Col.NEXT_SLOT] = -1
         r[Col.OWNER] = -1
         return reserved
+
+    def restart(self, b: int, state: int) -> int:
+        """Send a batch nobody holds back to ``state`` (the first): its result is lost
+        or its slot is needed by a lower batch (``dispatch``: redo, eviction). The
+        supervisor writes STATE here, which is safe because no actor owns the row.
+        Returns the slot its data was in, which the caller frees."""
+        r = self._a[b]
+        if r[Col.OWNER] != -1:
+            raise ValueError(f"batch {b} is held by actor {int(r[Col.OWNER])}; only an idle batch restarts")
+        old = int(r[Col.SLOT])
+        r[Col.SLOT] = -1
+        r[Col.STATE] = int(state)
+        return old
 
     def owned_by(self, owner: int) -> list[int]:
         """Batch ids with a transition in progress by ``owner``, lowest first."""

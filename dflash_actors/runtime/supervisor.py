@@ -259,7 +259,11 @@ class Supervisor:
             if failure:
                 return self._stopping(failure)
             t0 = time.monotonic()
+            evicted = len(self.dispatcher.evicted)
             sent = self.dispatcher.dispatch()
+            if len(self.dispatcher.evicted) > evicted:
+                self._log("evicted", batches=self.dispatcher.evicted[evicted:],
+                          reason="their slots went to lower batches being redone")
             for n, w in sent:
                 self._send(self.children[n], w)
             if sent and self.tracer.enabled:
@@ -338,10 +342,10 @@ class Supervisor:
         c.conn.close()
         c.proc.close()   # its sentinel fd; a long run restarts many times
         c.proc, c.conn = None, None
-        settled, put_back = self.dispatcher.on_death(c.number)
+        settled, put_back, redone = self.dispatcher.on_death(c.number)
         decision = c.policy.decide(time.monotonic(), c.error)
         self._log("died", actor=c.actor_id, reason=cause, settled=settled, put_back=put_back,
-                  decision=decision.value)
+                  decision=decision.value, **({"redone": redone} if redone else {}))
         if decision is Decision.RAISE:
             line = f"{c.actor_id}: {c.error.one_line()}"
             self._log("raise", actor=c.actor_id, reason=line)

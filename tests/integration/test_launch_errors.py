@@ -62,6 +62,8 @@ CASES = {
                   "--node-rank: must be in [0, 1] for 2 nodes (got 2)"),
     "master": (["--nnodes", "2", "--node-rank", "0", "--master", "node0"], "--master: expected ADDR:PORT"),
     "nodes by --set": (["--set", "topology.nodes=2"], "topology.nodes: set by --nnodes"),
+    "cuda features on cpu": (["--set", "runtime.feature_transport=cuda"],
+                             "runtime.feature_transport: cuda needs every target and drafter on a GPU"),
     "nccl on cpu": (["--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1", "--set",
                      "runtime.collective_backend=nccl"], "nccl needs the drafters on CUDA devices"),
 }

@@ -1,6 +1,7 @@
 """Two nodes on loopback, each a full 1-1 job with its own supervisor and actors, linked
 over gloo on 127.0.0.1, train exactly what one machine with both drafters (1-2) trains:
-bit for bit, every batch exactly once between them, with an actor killed. (The
+bit for bit, every batch exactly once between them, with an actor killed on each, under
+either gradient durability. (The
 ``chaos`` suite kills a whole node: ``tests/fault/test_cluster_node_loss.py``.)"""
 
 import json
@@ -41,14 +42,20 @@ def test_two_nodes_train_what_one_machine_with_both_drafters_trains(cache_dir, t
     # with train.grad_accum=2 does. Node 0's optimizer dies halfway through publishing
     # a step it already exchanged: its replacement must take the same sum again, not
     # ask the link for another. (Restarts are what cost here: one is enough.)
-    fault = {"actor": "optimizer.0", "at_batch": 5, "kind": "sigkill", "at": "publish"}
+    # Node 1 keeps its drafter's running sums on the device (grad_durability step) and
+    # its drafter dies on the second batch of a step: the first is made again from the
+    # loader on. Node 0 stores them after every batch (batch). Either way: bit-identical.
+    faults = [{"actor": "optimizer.0", "at_batch": 5, "kind": "sigkill", "at": "publish"},
+              {"actor": "drafter.0", "at_batch": 7, "kind": "sigkill"}]
+    durability = ["batch", "step"]
     # First: it builds the dataset and tiny target the two nodes, threads of one
     # process, would otherwise race to build under the same temporary names.
     ref = train_reference(small_config(cache_dir, tmp_path / "ref", "1-2", "train.grad_accum=2"), progress=False)
     runs = [tmp_path / "node0", tmp_path / "node1"]
     cfgs = [small_config(cache_dir, runs[k], "1-1", "topology.nodes=2", "train.grad_accum=2",
                          "train.checkpoint_every=2", "runtime.collective_timeout_s=60",
-                         faults_override([fault] if k == 0 else [])) for k in range(2)]
+                         f"runtime.grad_durability={durability[k]}", faults_override([faults[k]]))
+            for k in range(2)]
     (job0, r0), (job1, r1) = run_nodes(cfgs, free_port())
     assert not isinstance(r0, BaseException) and not isinstance(r1, BaseException), (r0, r1)
     assert (r0.exit_code, r1.exit_code) == (0, 0), (r0.reason, r1.reason)
@@ -56,7 +63,9 @@ def test_two_nodes_train_what_one_machine_with_both_drafters_trains(cache_dir, t
     # exactly once, between them
     ids = [job0.schedule.global_id(b) for b in r0.committed] + [job1.schedule.global_id(b) for b in r1.committed]
     assert sorted(ids) == list(range(ref.steps * 4))
-    assert (r0.summary["restarts"], r1.summary["restarts"]) == (1, 0)
+    assert (r0.summary["restarts"], r1.summary["restarts"]) == (1, 1)
+    died = [e for e in map(json.loads, (runs[1] / "events.log").read_text().splitlines()) if e["event"] == "died"]
+    assert died[0]["actor"] == "drafter.0" and died[0]["redone"] == [6]
     # bit-identical to one machine, on both nodes
     assert losses(runs[0]) == ref.losses == losses(runs[1])
     assert_same_weights(final_weights(runs[0]), ref.state_dict)

@@ -108,7 +108,7 @@ class Node:
         for j in range(self.m):
             batches = list(self.sched.drafter_batches(step, j))
             for i, b in enumerate(batches):
-                self.grads.commit(j, b, LAYOUT.views(sums[j]), first=i == 0)
+                self.grads.commit(j, b, LAYOUT.views(sums[j]), count=i + 1)
                 self.stats[b] = float(self.sched.global_id(b))
 
 

@@ -51,9 +51,10 @@ def _complete(d, ledger, stages, a, b):
     d.on_done(a, b)
 
 
-def _drive(d, ledger, stages, rng, kill_every=0, check=None):
+def _drive(d, ledger, stages, rng, kill_every=0, check=None, done=None, died=None):
     """Random completion order; optionally a death (without commit) every few steps,
-    and ``check(actor, work)`` on every dispatch."""
+    ``check(actor, work)`` on every dispatch, ``done(actor, batch)`` before each
+    commit and ``died(actor, redone)`` after each death."""
     inbox = {a: [] for a in d.members}
     steps = 0
     while not d.finished():
@@ -67,12 +68,16 @@ def _drive(d, ledger, stages, rng, kill_every=0, check=None):
         a = rng.choice(busy)
         steps += 1
         if kill_every and steps % kill_every == 0:
-            settled, put_back = d.on_death(a)
+            settled, put_back, redone = d.on_death(a)
             assert sorted(settled + put_back) == sorted(w.batch_id for w in inbox[a])
+            if died is not None:
+                died(a, redone)
             inbox[a] = []
             d.on_ready(a)
             continue
         w = inbox[a].pop(0)
+        if done is not None:
+            done(a, w.batch_id)
         _complete(d, ledger, stages, a, w.batch_id)
     return steps
 
@@ -95,8 +100,7 @@ def test_death_before_commit_puts_back_and_frees_the_reserved_slot():
     sent = d.dispatch()
     assert [(a, w.batch_id, w.out_slot) for a, w in sent] == [(0, 0, 0), (0, 1, 1)]
     assert d.occupancy()["batch"]["used"] == 2
-    settled, put_back = d.on_death(0)
-    assert (settled, put_back) == ([], [0, 1])
+    assert d.on_death(0) == ([], [0, 1], [])
     assert d.occupancy()["batch"]["used"] == 0
     assert ledger.get(0, Col.OWNER) == -1 and ledger.state(0) == State.PLANNED
     assert d.dispatch() == []               # the dead actor is not ready yet
@@ -109,8 +113,7 @@ def test_death_after_commit_settles_instead_of_redoing():
     d, ledger, stages = _setup(4)
     d.dispatch()
     ledger.commit(0, State.LOADED)          # committed, then died before sending Done
-    settled, put_back = d.on_death(0)
-    assert (settled, put_back) == ([0], [1])
+    assert d.on_death(0) == ([0], [1], [])
     assert ledger.get(0, Col.SLOT) == 0 and ledger.get(0, Col.OWNER) == -1
     d.on_ready(0)
     sent = d.dispatch()
@@ -130,7 +133,7 @@ def test_routed_stage_resumes_at_the_lowest_batch_put_back():
     assert sent == [0, 1, 2, 3, 4, 5]
     _complete(d, ledger, stages, 2, 0)
     _complete(d, ledger, stages, 2, 1)
-    assert d.on_death(2) == ([], [2, 3, 4, 5])
+    assert d.on_death(2) == ([], [2, 3, 4, 5], [])
     d.on_ready(2)
     assert [w.batch_id for a, w in d.dispatch()] == [2, 3, 4, 5]
 
@@ -210,6 +213,66 @@ def test_gathered_groups_move_through_the_stages_together(kill_every):
 
     _drive(d, ledger, stages, random.Random(kill_every), kill_every, check)
     assert sorted(d.committed) == list(range(16))
+
+
+class GradDone(enum.IntEnum):
+    PLANNED, LOADED, FEATURED, GRAD_DONE, COMMITTED = range(5)
+
+
+@pytest.mark.parametrize("kill_every", [0, 3, 5])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_results_kept_in_memory_are_redone_after_a_death_with_full_rings(kill_every, seed):
+    """The training job's ``grad_durability: step``: each drafter keeps its running sum
+    of a step (2 drafters x 2 batches) in memory and makes it durable on its last
+    batch. Deaths lose the memory; the batches it held are made again from the loader,
+    through rings of 2 slots that later batches keep full, and every step's sums hold
+    exactly its batches, once."""
+    per_step, m = 4, 2
+    step = lambda b: b // per_step                                           # noqa: E731
+    last_of_drafter = lambda b: b + m >= (step(b) + 1) * per_step            # noqa: E731
+    stages = [Stage("loader", Actor, GradDone.PLANNED, GradDone.LOADED, out_ring="batch", credit=2),
+              Stage("target", Actor, GradDone.LOADED, GradDone.FEATURED, count=2, in_ring="batch",
+                    out_ring="features", credit=1),
+              Stage("drafter", Actor, GradDone.FEATURED, GradDone.GRAD_DONE, count=m, in_ring="features",
+                    route=lambda b: b % m, barrier=lambda b: step(b) * per_step, durable=last_of_drafter),
+              Stage("optimizer", Actor, GradDone.GRAD_DONE, GradDone.COMMITTED, route=in_order, credit=per_step)]
+    n = 40
+    ledger = Ledger.allocate(n)
+    d = Dispatcher(stages, [_ring("batch", 2), _ring("features", 2)], ledger, _members(stages))
+    for a in d.members:
+        d.on_ready(a)
+    drafters = {a: k for a, (i, k) in d.members.items() if i == 2}
+    memory = {j: [] for j in range(m)}       # the running sum: batch ids added, lost on death
+    durable = {j: [] for j in range(m)}      # the committed sums
+    steps_taken = []
+
+    def done(a, b):
+        if a in drafters:
+            j = drafters[a]
+            first = b - m < step(b) * per_step
+            assert first or memory[j][-1:] == [b - m], f"drafter {j} got {b} after {memory[j]}"
+            memory[j] = [b] if first else memory[j] + [b]
+            if last_of_drafter(b):
+                durable[j] = list(memory[j])
+        elif d.members[a][0] == 3 and (b + 1) % per_step == 0:
+            s = step(b)
+            for j in range(m):
+                assert durable[j] == list(range(s * per_step + j, (s + 1) * per_step, m))
+            steps_taken.append(s)
+
+    def died(a, redone):
+        if a in drafters:
+            memory[drafters[a]] = []
+        else:
+            assert redone == []
+
+    _drive(d, ledger, stages, random.Random(seed), kill_every, done=done, died=died)
+    assert sorted(d.committed) == list(range(n)) and steps_taken == list(range(n // per_step))
+    assert all(p["used"] == 0 for p in d.occupancy().values())
+    if kill_every:
+        assert d.redone and d.evicted        # the case this is about did happen
+    else:
+        assert not d.redone and not d.evicted
 
 
 def test_done_that_the_ledger_contradicts_is_a_protocol_error():

@@ -285,8 +285,8 @@ def test_the_header_counts_the_batches_of_a_sum():
     acc = GradAccumulators.allocate(layout, 2)
     g = _grads(layout, 1)
     acc.commit(0, 2, g)
-    acc.commit(0, 4, g, first=False)
-    acc.commit(0, 6, g, first=False)
+    acc.commit(0, 4, g, count=2)
+    acc.commit(0, 6, g, count=3)
     assert (acc.last_batch(0), acc.count(0)) == (6, 3)
     acc.commit(0, 8, g)            # the next step's first batch starts a new sum
     assert (acc.last_batch(0), acc.count(0)) == (8, 1)

@@ -158,3 +158,9 @@ def test_from_config_per_node_and_whole():
     assert node1.steps_per_epoch == whole.steps_per_epoch
     with pytest.raises(ValueError):
         Schedule.from_config(cfg, lengths, node=2)
+
+
+def test_a_drafters_last_batch_of_a_step_is_where_its_sum_is_complete():
+    s = Schedule(per_step=6, num_drafters=2, steps_per_epoch=(2,))      # A=3, M=2
+    assert [b for b in range(12) if s.is_last_for_drafter(b)] == [4, 5, 10, 11]
+    assert all(s.is_last_for_drafter(s.drafter_batches(st, j)[-1]) for st in range(2) for j in range(2))
