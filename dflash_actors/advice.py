@@ -45,7 +45,8 @@ def _probe_batch(cfg: Config, pre: Preflight, k: int, buf: BatchBuffers, models,
     _sync(device)
     t2 = time.perf_counter()
     loss, _ = batch_loss(drafter, target, features, batch, num_anchors=cfg.train.num_anchors,
-                         gamma=decay_gamma(cfg), seed=cfg.train.seed, epoch=0, batch_id=k)
+                         gamma=decay_gamma(cfg), seed=cfg.train.seed, epoch=0, batch_id=k,
+                         compute_dtype=cfg.train.compute_dtype)
     loss.backward()
     _sync(device)
     t3 = time.perf_counter()

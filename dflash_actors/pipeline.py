@@ -301,7 +301,8 @@ class Job:
         width = feature_width(cfg, self.target)
         stages = wiring.stages(cfg, sched, self.pre.devices, self.shared, self.pre.train_path, first)
         monitor = Monitor(cfg, sched, self.shared, first, self.progress)
-        sup = Supervisor(cfg.runtime, stages, wiring.rings(cfg, width, feature_dtype, self.pre.devices.features), sched.total_batches,
+        rings = wiring.rings(cfg, width, feature_dtype, self.pre.devices.features)
+        sup = Supervisor(cfg.runtime, stages, rings, sched.total_batches,
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
                          num_threads=cfg.train.num_threads, on_status=self._on_status(monitor))
         monitor.watch(sup.work_times, stages)

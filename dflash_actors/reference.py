@@ -44,7 +44,8 @@ def shard_gradient(drafter: DFlashDrafter, head, items, cfg) -> tuple[list[torch
     gamma, total = decay_gamma(cfg), None
     for epoch, i, batch, features in items:
         loss, stats = batch_loss(drafter, head, features, batch, num_anchors=cfg.train.num_anchors,
-                                 gamma=gamma, seed=cfg.train.seed, epoch=epoch, batch_id=i)
+                                 gamma=gamma, seed=cfg.train.seed, epoch=epoch, batch_id=i,
+                                 compute_dtype=cfg.train.compute_dtype)
         loss.backward()
         total = stats if total is None else total + stats
     return [p.grad.clone() for p in drafter.parameters()], total

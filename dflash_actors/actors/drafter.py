@@ -157,6 +157,7 @@ class Drafter(Actor):
         epoch, i = self.spec.schedule.locate(b)
         t = self.spec.cfg.train
         loss, stats = batch_loss(self.model, self.head, slot_features.to(self.device), batch,
-                                 num_anchors=t.num_anchors, gamma=self.gamma, seed=t.seed, epoch=epoch, batch_id=i)
+                                 num_anchors=t.num_anchors, gamma=self.gamma, seed=t.seed, epoch=epoch, batch_id=i,
+                                 compute_dtype=t.compute_dtype)
         loss.backward()
         return stats

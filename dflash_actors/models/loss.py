@@ -13,15 +13,23 @@ Per sequence (of length L, tokens ``tok``, loss mask ``m``):
   * loss: ``sum(CE * w) / sum(w)`` over the whole batch with
     ``w = m[a+k] * [a+k < L] * exp(-(k-1)/gamma)``, slot 0 excluded.
 
-Sequences are processed one at a time so the mask is ``[1, 1, N*B, L+N*B]`` (never
-batch-wide, never per head). On CUDA with flex_attention the same rule is a
-``BlockMask`` with ``H=None``. The LM head and cross-entropy run in checkpointed chunks
-of rows, so ``[rows, vocab]`` logits exist only one chunk at a time, in forward and in
-backward.
+All sequences of a batch go through the drafter at once, right-padded per sequence:
+context ``[R, Lmax, H]`` and noise ``[R, Nmax*B, H]`` for the R sequences that have
+anchors, so each layer makes one attention call. A padded block (a row with fewer than
+``Nmax`` anchors) sees only itself and is left out of the loss and the stats. Padded
+rather than one packed row because the batch plan groups sequences by length (>= 95%
+real), so padding costs about what a loop over sequences does, whereas a dense mask over
+one packed row grows with the square of the whole batch. The visibility rule is one
+function of (row, query, key) indices: on CPU it fills a dense boolean mask
+``[R, 1, Nmax*B, Lmax+Nmax*B]`` for sdpa (broadcast over heads), on CUDA it is the
+``mask_mod`` of a flex ``BlockMask`` with ``B=R, H=None``. The LM head and
+cross-entropy run in checkpointed chunks of rows, so ``[rows, vocab]`` logits exist only
+one chunk at a time, in forward and in backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -86,28 +94,43 @@ def all_anchors(batch) -> list[np.ndarray]:
 # masks
 
 
-def block_mask_dense(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Boolean ``[1, 1, N*B, L+N*B]``: context ``< a_j``, own block bidirectional."""
-    n = len(anchors)
-    q_block = torch.arange(n * block_size, device=anchors.device) // block_size
-    kv = torch.arange(ctx_len + n * block_size, device=anchors.device)
-    ctx_ok = (kv[None, :] < ctx_len) & (kv[None, :] < anchors[q_block][:, None])
-    own = (kv[None, :] >= ctx_len) & ((kv[None, :] - ctx_len) // block_size == q_block[:, None])
-    return (ctx_ok | own)[None, None]
+def visible(row, q, kv, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len, block_size: int):
+    """Whether query ``q`` of row ``row`` sees key ``kv`` (broadcasting index tensors).
+
+    Keys ``< ctx_len`` are the row's context, the rest its blocks of ``block_size``
+    queries. Block j sees context ``< anchors[row, j]`` inside the row's real length, and
+    its own block. Both the dense mask and flex's ``mask_mod`` are this function.
+    """
+    j = q // block_size
+    context = (kv < anchors[row, j]) & (kv < lengths[row])
+    own_block = (kv >= ctx_len) & ((kv - ctx_len) // block_size == j)
+    return context | own_block
 
 
-def _flex_attend(anchors: torch.Tensor, ctx_len: int, block_size: int):
+def block_mask_dense(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Boolean ``[R, 1, N*B, C+N*B]`` for anchors ``[R, N]`` and row lengths ``[R]``."""
+    R, n = anchors.shape
+    dev = anchors.device
+    row = torch.arange(R, device=dev)[:, None, None]
+    q = torch.arange(n * block_size, device=dev)[None, :, None]
+    kv = torch.arange(ctx_len + n * block_size, device=dev)[None, None, :]
+    return visible(row, q, kv, anchors, lengths, ctx_len, block_size)[:, None]
+
+
+def flex_block_mask(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int):
+    """The same rule as a flex ``BlockMask`` (batch R, shared by every head)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    n = len(anchors)
+    R, n = anchors.shape
 
     def mask_mod(b, h, q, kv):
-        j = q // block_size
-        return ((kv < ctx_len) & (kv < anchors[j])) | ((kv >= ctx_len) & ((kv - ctx_len) // block_size == j))
+        return visible(b, q, kv, anchors, lengths, ctx_len, block_size)
 
-    bm = create_block_mask(mask_mod, B=None, H=None, Q_LEN=n * block_size, KV_LEN=ctx_len + n * block_size,
-                           device=anchors.device)
-    return lambda q, k, v: _compiled_flex()(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
+    # Uncompiled, create_block_mask evaluates the rule on the whole [R, Q, KV] grid at
+    # once: gigabytes at real sizes (30 rows of 8k queries by 10k keys). Compiled on
+    # CUDA it works tile by tile. (On CPU, where only tests build one, eager is quicker.)
+    return create_block_mask(mask_mod, B=R, H=None, Q_LEN=n * block_size, KV_LEN=ctx_len + n * block_size,
+                             device=anchors.device, _compile=anchors.device.type == "cuda")
 
 
 @functools.cache
@@ -117,15 +140,95 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def make_attend(anchors: torch.Tensor, ctx_len: int, block_size: int):
+def make_attend(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int):
     """flex_attention on CUDA (block-sparse, no dense mask), dense sdpa mask elsewhere."""
     if anchors.device.type == "cuda":
-        return _flex_attend(anchors, ctx_len, block_size)
-    return sdpa_dense(block_mask_dense(anchors, ctx_len, block_size))
+        bm = flex_block_mask(anchors, lengths, ctx_len, block_size)
+        return lambda q, k, v: _compiled_flex()(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
+    return sdpa_dense(block_mask_dense(anchors, lengths, ctx_len, block_size))
+
+
+def autocast_for(device, compute_dtype: str = "auto"):
+    """The drafter forward's autocast: bf16 on CUDA unless ``compute_dtype`` is "float32";
+    none elsewhere, so CPU runs stay fp32 and identical in every process."""
+    if compute_dtype not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"compute_dtype: {compute_dtype!r} is not one of auto, bfloat16, float32")
+    if torch.device(device).type == "cuda" and compute_dtype != "float32":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------
 # forward
+
+
+@dataclass
+class PaddedBlocks:
+    """The sequences of a packed batch that have anchors, right-padded: row r is sequence
+    ``seq[r]``; ``N`` is the most anchors of a row, ``C`` the longest row."""
+
+    seq: list[int]
+    take: torch.Tensor       # [T'] packed positions of those rows' tokens
+    row: torch.Tensor        # [T'] where each of them sits in [R, C] ...
+    col: torch.Tensor        # [T'] ... and at which column
+    lengths: torch.Tensor    # [R]
+    anchors: torch.Tensor    # [R, N] (0 past a row's own anchors)
+    real: torch.Tensor       # [R, N] bool: not padding
+    tokens: torch.Tensor     # [R, C] (0 past a row's length)
+    loss_mask: torch.Tensor  # [R, C] (0 past a row's length)
+
+
+def pad_blocks(batch, anchors: list[np.ndarray], device) -> PaddedBlocks:
+    """The padded layout of ``batch`` for its anchors per sequence (at least one somewhere)."""
+    seq = [r for r, a in enumerate(anchors) if len(a)]
+    spans = batch.sequences()
+    lengths = [spans[r][1] - spans[r][0] for r in seq]
+    R, n, C = len(seq), max(len(anchors[r]) for r in seq), max(lengths)
+    a_pad, real = np.zeros((R, n), np.int64), np.zeros((R, n), bool)
+    for i, r in enumerate(seq):
+        a_pad[i, :len(anchors[r])] = anchors[r]
+        real[i, :len(anchors[r])] = True
+    seq_row, col = batch.pad_index()
+    row_of = torch.full((batch.n_samples,), -1, dtype=torch.long, device=seq_row.device)
+    row_of[seq] = torch.arange(R, device=seq_row.device)
+    row = row_of[seq_row]
+    take = (row >= 0).nonzero().squeeze(1)
+    take, row, col = take.to(device), row[take].to(device), col[take].to(device)
+    tokens = torch.zeros((R, C), dtype=torch.long, device=device)
+    tokens[row, col] = batch.input_ids.to(device)[take]
+    loss_mask = torch.zeros((R, C), dtype=batch.loss_mask.dtype, device=device)
+    loss_mask[row, col] = batch.loss_mask.to(device)[take]
+    return PaddedBlocks(seq, take, row, col, torch.tensor(lengths, device=device),
+                        torch.from_numpy(a_pad).to(device), torch.from_numpy(real).to(device), tokens, loss_mask)
+
+
+def blocks_hidden(drafter, embed_tokens, ctx: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
+                  anchor_ids: torch.Tensor) -> torch.Tensor:
+    """Drafter hidden states ``[R, N, B, H]`` of blocks right-padded per row: one forward.
+
+    ``ctx`` ``[R, C, H]`` is each row's drafter context (positions past ``lengths`` are
+    never seen), ``anchors`` ``[R, N]`` and ``anchor_ids`` the token at each anchor. A padding
+    block, whatever its anchor, sees only itself, so its (unused) output stays finite.
+    """
+    B, (R, n), C = drafter.block_size, anchors.shape, ctx.shape[1]
+    dev = anchors.device
+    noise_ids = torch.full((R, n, B), drafter.mask_token_id, dtype=torch.long, device=dev)
+    noise_ids[..., 0] = anchor_ids
+    noise = embed_tokens(noise_ids).reshape(R, n * B, -1).to(ctx.dtype)
+    block_pos = (anchors[..., None] + torch.arange(B, device=dev)).reshape(R, n * B)
+    positions = torch.cat([torch.arange(C, device=dev).expand(R, C), block_pos], dim=1)
+    out = drafter(noise, ctx, positions, make_attend(anchors, lengths, C, B))
+    return out.reshape(R, n, B, -1)
+
+
+def batch_hidden(drafter, embed_tokens, features: torch.Tensor, batch,
+                 anchors: list[np.ndarray]) -> tuple[torch.Tensor, PaddedBlocks]:
+    """``(hidden [R, N, B, H], layout)`` for the anchors of a packed batch (at least one
+    somewhere); ``features`` are its packed target features ``[T, k*H]``."""
+    p = pad_blocks(batch, anchors, features.device)
+    ctx_rows = drafter.context(features[p.take].to(drafter.fc.weight.dtype))
+    ctx = ctx_rows.new_zeros((len(p.seq), p.tokens.shape[1], ctx_rows.shape[-1])).index_put((p.row, p.col), ctx_rows)
+    return blocks_hidden(drafter, embed_tokens, ctx, p.lengths, p.anchors, p.tokens.gather(1, p.anchors)), p
 
 
 def block_hidden(drafter, embed_tokens, ctx: torch.Tensor, tokens: torch.Tensor,
@@ -135,26 +238,21 @@ def block_hidden(drafter, embed_tokens, ctx: torch.Tensor, tokens: torch.Tensor,
     ``ctx`` is the sequence's drafter context ``[L, H]`` (``drafter.context`` of its
     target features) and ``tokens`` its ids ``[L]``.
     """
-    B, L, n = drafter.block_size, len(tokens), len(anchors)
-    noise_ids = torch.full((n, B), drafter.mask_token_id, dtype=torch.long, device=tokens.device)
-    noise_ids[:, 0] = tokens[anchors]
-    noise = embed_tokens(noise_ids).reshape(1, n * B, -1).to(ctx.dtype)
-    offsets = torch.arange(B, device=tokens.device)
-    positions = torch.cat([torch.arange(L, device=tokens.device), (anchors[:, None] + offsets).reshape(-1)])
-    out = drafter(noise, ctx[None], positions[None], make_attend(anchors, L, B))
-    return out.reshape(n, B, -1)
+    lengths = torch.tensor([len(tokens)], device=tokens.device)
+    return blocks_hidden(drafter, embed_tokens, ctx[None], lengths, anchors[None], tokens[anchors][None])[0]
 
 
 def block_labels(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(labels, valid)`` ``[N, B]``: ``tok[a+k]`` where ``a+k < L`` and ``m[a+k] = 1``, slot 0 invalid."""
-    L = len(tokens)
-    pos = anchors[:, None] + torch.arange(block_size, device=tokens.device)
-    inside = pos < L
-    pos = pos.clamp(max=L - 1)
-    valid = inside & loss_mask[pos].bool()
-    valid[:, 0] = False
-    return tokens[pos], valid
+    """``(labels, valid)`` ``[..., N, B]`` for tokens ``[..., L]`` and anchors ``[..., N]``:
+    ``tok[a+k]``, valid where ``a+k < L`` and ``m[a+k] = 1``, slot 0 never. Right-padded
+    rows must carry ``loss_mask`` 0 in their padding."""
+    L = tokens.shape[-1]
+    pos = anchors[..., None] + torch.arange(block_size, device=tokens.device)
+    flat = pos.clamp(max=L - 1).flatten(-2)
+    valid = (pos < L) & loss_mask.gather(-1, flat).view(pos.shape).bool()
+    valid[..., 0] = False
+    return tokens.gather(-1, flat).view(pos.shape), valid
 
 
 @dataclass
@@ -199,53 +297,40 @@ def chunked_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
 
 
 def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.ndarray],
-                gamma: float) -> tuple[torch.Tensor, BlockStats]:
+                gamma: float, *, compute_dtype: str = "auto") -> tuple[torch.Tensor, BlockStats]:
     """``(loss, stats)`` for a packed batch given its anchors per row.
 
     ``head`` provides the frozen target ``embed_tokens`` and ``lm_head``; ``features``
-    are the packed target features ``[T, k*H]``. With no anchor anywhere in the batch
-    the loss is a zero that still reaches every parameter, so gradient accumulation
-    needs no special case.
+    are the packed target features ``[T, k*H]``. The drafter runs under
+    ``autocast_for(device, compute_dtype)``, the cross-entropy in fp32. With no anchor
+    anywhere in the batch the loss is a zero that still reaches every parameter, so
+    gradient accumulation needs no special case.
     """
-    device = features.device
     B = drafter.block_size
-    ids, lmask = batch.input_ids.to(device), batch.loss_mask.to(device)
-    ctx_all = drafter.context(features.to(drafter.fc.weight.dtype))
-    decay = slot_decay(B, gamma).to(device)
-    hs, labels, ws, valids = [], [], [], []
-    for (s, e), a in zip(batch.sequences(), anchors):
-        if len(a) == 0:
-            continue
-        a = torch.as_tensor(a, dtype=torch.long, device=device)
-        h = block_hidden(drafter, head.embed_tokens, ctx_all[s:e], ids[s:e], a)
-        lab, valid = block_labels(ids[s:e], lmask[s:e], a, B)
-        hs.append(h)
-        labels.append(lab)
-        valids.append(valid)
-        ws.append(valid.float() * decay)
-    if not hs:
+    if not any(len(a) for a in anchors):
         zero = sum(p.sum() for p in drafter.parameters()) * 0.0
         return zero, BlockStats(0, 0, torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), 0.0, 0.0)
-    valid = torch.cat(valids)
+    with autocast_for(features.device, compute_dtype):
+        hidden, p = batch_hidden(drafter, head.embed_tokens, features, batch, anchors)
+    labels, valid = block_labels(p.tokens, p.loss_mask, p.anchors, B)
+    valid &= p.real[..., None]
     rows = valid.nonzero(as_tuple=True)
-    h = torch.cat(hs)[rows]
-    lab = torch.cat(labels)[rows]
-    w = torch.cat(ws)[rows]
-    wce, pred = chunked_ce(h, head.lm_head.weight, lab, w)
+    lab = labels[rows]
+    w = slot_decay(B, gamma).to(features.device).expand(valid.shape)[rows]
+    wce, pred = chunked_ce(hidden[rows], head.lm_head.weight, lab, w)
     wsum = w.sum()
-    loss = wce / wsum
     correct = torch.zeros_like(valid)
     correct[rows] = pred == lab
-    leading = correct[:, 1:].long().cumprod(dim=1).sum(dim=1)
+    leading = correct[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
     stats = BlockStats(
-        blocks=int(valid.shape[0]), accepted=int(leading.sum()),
-        slot_correct=correct.long().sum(0).cpu(), slot_total=valid.long().sum(0).cpu(),
+        blocks=int(p.real.sum()), accepted=int(leading.sum()),
+        slot_correct=correct.long().sum((0, 1)).cpu(), slot_total=valid.long().sum((0, 1)).cpu(),
         weighted_ce=float(wce.detach()), weight=float(wsum))
-    return loss, stats
+    return wce / wsum, stats
 
 
 def batch_loss(drafter, head, features: torch.Tensor, batch, *, num_anchors: int, gamma: float,
-               seed: int, epoch: int, batch_id: int) -> tuple[torch.Tensor, BlockStats]:
+               seed: int, epoch: int, batch_id: int, compute_dtype: str = "auto") -> tuple[torch.Tensor, BlockStats]:
     """The training loss of batch ``batch_id`` of ``epoch``: seeded anchors, then ``dflash_loss``."""
-    return dflash_loss(drafter, head, features, batch,
-                       batch_anchors(batch, num_anchors, seed, epoch, batch_id), gamma)
+    return dflash_loss(drafter, head, features, batch, batch_anchors(batch, num_anchors, seed, epoch, batch_id),
+                       gamma, compute_dtype=compute_dtype)

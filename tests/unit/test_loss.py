@@ -1,13 +1,19 @@
+import contextlib
+import copy
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash_actors.batching import Batch
 from dflash_actors.config import load_config
 from dflash_actors.models import loss as L
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
+from tests.support.oracle_loss import dflash_loss_per_sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,16 +40,52 @@ def seq(n, seed):
     return torch.randint(2, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+# Packed around the sequence under test (row 1): a longer one with more anchors and a
+# shorter one with fewer, so its row has padding columns and padding blocks.
+LONGER, LONGER_ANCHORS = seq(41, 100), np.array([3, 4, 11, 20, 30, 38, 39])
+SHORTER, SHORTER_ANCHORS = seq(9, 101), np.array([2])
+
+
 def hidden(drafter, target, feats, ids, anchors, embed=None):
-    ctx = drafter.context(feats)
-    return L.block_hidden(drafter, embed or target.embed_tokens, ctx, torch.as_tensor(ids), torch.tensor(anchors))
+    """Hidden states ``[N, B, H]`` of one sequence's blocks, from the batched path with
+    the sequence at row 1 between ``LONGER`` and ``SHORTER``."""
+    batch = packed([LONGER, torch.as_tensor(ids).tolist(), SHORTER])
+    feats = torch.cat([target.features(packed([LONGER])), feats, target.features(packed([SHORTER]))])
+    h, p = L.batch_hidden(drafter, embed or target.embed_tokens, feats, batch,
+                          [LONGER_ANCHORS, np.asarray(anchors), SHORTER_ANCHORS])
+    assert p.seq == [0, 1, 2]
+    return h[1, :len(anchors)]
+
+
+def attention_case(device):
+    """Random q, k, v ``[R=3, heads, N*B, ...]`` and the rule's inputs for a small padded
+    batch: ragged anchor counts, overlapping anchors, rows shorter than the context."""
+    g = torch.Generator().manual_seed(0)
+    B, C, lengths = 8, 150, [150, 97, 40]
+    rows = [np.sort(np.random.default_rng(1).choice(148, 20, replace=False)),
+            np.array([0, 3, 5, 6, 40, 41, 95]), np.array([10, 38])]
+    anchors = torch.zeros(3, 20, dtype=torch.long)
+    for r, a in enumerate(rows):
+        anchors[r, :len(a)] = torch.from_numpy(a)
+    Q = 20 * B
+    q = torch.randn(3, 4, Q, 16, generator=g)
+    k, v = (torch.randn(3, 2, C + Q, 16, generator=g) for _ in range(2))      # grouped-query heads
+    mv = lambda t: t.to(device)
+    return mv(q), mv(k), mv(v), mv(anchors), mv(torch.tensor(lengths)), C, B
+
+
+def attention_and_grads(attend, q, k, v):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = attend(q, k, v)
+    out.backward(torch.cos(torch.arange(out.numel(), device=out.device, dtype=out.dtype)).view_as(out))
+    return out.detach(), q.grad, k.grad, v.grad
 
 
 # -- masks, labels, anchors -----------------------------------------------------
 
 
 def test_dense_mask_is_strict_and_block_local():
-    m = L.block_mask_dense(torch.tensor([2, 3]), ctx_len=5, block_size=2)[0, 0].int()
+    m = L.block_mask_dense(torch.tensor([[2, 3]]), torch.tensor([5]), ctx_len=5, block_size=2)[0, 0].int()
     assert m.tolist() == [
         # ctx 0..4    block0  block1
         [1, 1, 0, 0, 0, 1, 1, 0, 0],   # block 0 (a=2) sees ctx < 2 only
@@ -51,6 +93,29 @@ def test_dense_mask_is_strict_and_block_local():
         [1, 1, 1, 0, 0, 0, 0, 1, 1],   # block 1 (a=3) sees ctx < 3, not block 0 though they overlap
         [1, 1, 1, 0, 0, 0, 0, 1, 1],
     ]
+
+
+def test_batched_dense_mask_is_per_row():
+    # Row 0: length 5, anchors 2 and 4; row 1: length 3, one anchor 1 and a padding block.
+    m = L.block_mask_dense(torch.tensor([[2, 4], [1, 0]]), torch.tensor([5, 3]), ctx_len=5, block_size=2)
+    assert m.shape == (2, 1, 4, 9)
+    assert m[:, 0].int().tolist() == [
+        [   # ctx 0..4       block0  block1
+            [1, 1, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 1, 1],   # a=4: ctx < 4, not its own anchor's state
+            [1, 1, 1, 1, 0, 0, 0, 1, 1],
+        ],
+        [
+            [1, 0, 0, 0, 0, 1, 1, 0, 0],   # a=1 in a row of length 3
+            [1, 0, 0, 0, 0, 1, 1, 0, 0],
+            [0, 0, 0, 0, 0, 0, 0, 1, 1],   # padding block: only itself
+            [0, 0, 0, 0, 0, 0, 0, 1, 1],
+        ],
+    ]
+    # A row's padding columns stay hidden even from an anchor past them.
+    m = L.block_mask_dense(torch.tensor([[4], [4]]), torch.tensor([5, 2]), ctx_len=5, block_size=1)
+    assert m[:, 0, 0, :5].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
 
 
 def test_labels_are_same_position_and_masked():
@@ -63,6 +128,12 @@ def test_labels_are_same_position_and_masked():
     assert valid[1].tolist() == [False, True, True, False]   # 9+3 runs past the end
     labels, valid = L.block_labels(tokens, lm, torch.tensor([5]), block_size=4)
     assert valid[0].tolist() == [False, True, False, True]   # loss_mask[7] == 0
+    # Right-padded rows: a row's padding (loss_mask 0) is as invalid as its end.
+    tok2 = torch.stack([tokens, torch.cat([tokens[:6], torch.zeros(6, dtype=torch.long)])])
+    lm2 = torch.stack([lm, torch.tensor([1] * 6 + [0] * 6, dtype=torch.int8)])
+    labels, valid = L.block_labels(tok2, lm2, torch.tensor([[9], [3]]), block_size=4)
+    assert labels[1, 0, :3].tolist() == [103, 104, 105]
+    assert valid[:, 0].tolist() == [[False, True, True, False], [False, True, True, False]]
 
 
 def test_anchor_candidates_need_two_supervised_tokens():
@@ -89,6 +160,140 @@ def test_gamma_defaults():
     assert [L.decay_gamma(c(16)), L.decay_gamma(c(10)), L.decay_gamma(c(8)), L.decay_gamma(c(8, 2.5))] == [7, 5, 4, 2.5]
     w = L.slot_decay(4, 2.0)
     assert w[0] == 0 and w[1] == 1 and torch.isclose(w[3], torch.tensor(np.exp(-1.0), dtype=torch.float32))
+
+
+def test_autocast_is_bf16_on_cuda_only():
+    for device, dtype in [("cpu", "auto"), ("cpu", "bfloat16"), (torch.device("cpu"), "float32"), ("cuda", "float32")]:
+        assert isinstance(L.autocast_for(device, dtype), contextlib.nullcontext)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # without CUDA torch disables it, saying so
+        for dtype in ("auto", "bfloat16"):
+            ac = L.autocast_for(torch.device("cuda", 0), dtype)
+            assert isinstance(ac, torch.autocast) and ac.device == "cuda" and ac.fast_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="compute_dtype"):
+        L.autocast_for("cpu", "float16")
+
+
+# -- flex_attention -------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_block_mask_matches_dense_mask_on_cpu(monkeypatch):
+    """The CUDA path's ``BlockMask`` against the CPU path's dense mask, on CPU.
+
+    Its block tables (which tiles a kernel visits, and which it visits without calling
+    ``mask_mod``) must agree with the dense mask tile by tile, and flex_attention with
+    it must equal sdpa with the dense mask, outputs and q/k/v gradients. Eager
+    flex_attention: compiling it for CPU took 15-45 s on two cores, and compiled CPU flex
+    has no backward. Eager flex evaluates ``mask_mod`` through its own vmap over the
+    captured per-row tensors but ignores the block tables, hence their own check; torch
+    refuses its CPU backward by an up-front device check only, lifted here.
+    """
+    from torch.nn.attention import flex_attention as fa
+
+    q, k, v, anchors, lengths, C, B = attention_case("cpu")
+    dense = L.block_mask_dense(anchors, lengths, C, B)
+    bm = L.flex_block_mask(anchors, lengths, C, B)
+    (R, _, Q, KV), (tq, tk) = dense.shape, bm.BLOCK_SIZE
+    nq, nk = -(-Q // tq), -(-KV // tk)
+    assert nq > 1 and nk > 2                      # several tiles, so the tables say something
+    tiles = F.pad(dense, (0, nk * tk - KV, 0, nq * tq - Q)).view(R, 1, nq, tq, nk, tk)
+
+    def table(num, idx):
+        t = torch.zeros(R, 1, nq, nk, dtype=torch.bool)
+        for r in range(R):
+            for i in range(nq):
+                t[r, 0, i, idx[r, 0, i, :num[r, 0, i]]] = True
+        return t
+    full = table(bm.full_kv_num_blocks, bm.full_kv_indices)
+    partial = table(bm.kv_num_blocks, bm.kv_indices)
+    assert torch.equal(full | partial, tiles.any(5).any(3))
+    assert torch.equal(full, tiles.all(5).all(3)) and not (full & partial).any()
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
+    flex = attention_and_grads(lambda q, k, v: fa.flex_attention(q, k, v, block_mask=bm, enable_gqa=True), q, k, v)
+    ref = attention_and_grads(sdpa_dense(dense), q, k, v)
+    for a, b in zip(flex, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_attention_matches_dense_mask_on_cuda():
+    q, k, v, anchors, lengths, C, B = attention_case("cuda")
+    attend = L.make_attend(anchors, lengths, C, B)            # compiled flex on CUDA
+    flex = attention_and_grads(attend, q, k, v)
+    ref = attention_and_grads(sdpa_dense(L.block_mask_dense(anchors, lengths, C, B)), q, k, v)
+    for a, b in zip(flex, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# -- the batched objective against the per-sequence oracle ---------------------------
+
+
+def oracle_cases():
+    """Packed batches with ragged lengths, a row without anchors, rows with different
+    anchor counts, anchors closer than a block apart and at ``L-2``, loss-mask holes."""
+    masks = [[1] * 30, [1] * 7, [0] * 3 + [1] * 20 + [0] * 4 + [1] * 18, [1] * 5 + [0] * 2 + [1] * 5]
+    fixed = (packed([seq(30, 20), seq(7, 21), seq(45, 22), seq(12, 23)], masks),
+             [np.array([4, 5, 6, 20, 28]), np.array([], np.int64), np.array([3, 4, 10, 11, 12, 27, 40, 43]),
+              np.array([2, 8])])
+    cases = [fixed]
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        lengths = rng.integers(5, 60, size=rng.integers(3, 7))
+        masks = [(rng.random(n) > 0.15).astype(int).tolist() for n in lengths]
+        anchors = []
+        for m in masks:
+            cand = L.anchor_candidates(np.array(m))
+            anchors.append(np.sort(rng.choice(cand, rng.integers(0, len(cand) + 1), replace=False)))
+        anchors[int(rng.integers(len(anchors)))] = np.array([], np.int64)
+        cases.append((packed([seq(int(n), 30 + 10 * seed + i) for i, n in enumerate(lengths)], masks), anchors))
+    return cases
+
+
+def loss_and_grads(fn, d, *args):
+    d.zero_grad(set_to_none=True)
+    loss, stats = fn(d, *args, 4.0)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in d.parameters()], stats
+
+
+def test_batched_loss_equals_per_sequence_oracle(setup):
+    _, target, d = setup
+    for batch, anchors in oracle_cases():
+        feats = target.features(batch)
+        loss, grads, stats = loss_and_grads(L.dflash_loss, d, target, feats, batch, anchors)
+        want, want_grads, want_stats = loss_and_grads(dflash_loss_per_sequence, d, target, feats, batch, anchors)
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+        for (name, _), g, w in zip(d.named_parameters(), grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()), msg=name)
+        assert stats.blocks == want_stats.blocks == sum(map(len, anchors))
+        assert stats.accepted == want_stats.accepted
+        assert torch.equal(stats.slot_correct, want_stats.slot_correct)
+        assert torch.equal(stats.slot_total, want_stats.slot_total)
+        assert stats.weight == pytest.approx(want_stats.weight, rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_loss_on_cuda_matches_cpu(setup):
+    """The whole objective on CUDA (flex) against CPU (dense): fp32 closely, bf16 loosely."""
+    _, target, d = setup
+    batch, anchors = oracle_cases()[0]
+    feats = target.features(batch)
+    cpu_loss, cpu_grads, cpu_stats = loss_and_grads(L.dflash_loss, d, target, feats, batch, anchors)
+    dc = copy.deepcopy(d).cuda()
+    head = SimpleNamespace(embed_tokens=copy.deepcopy(target.embed_tokens).cuda(),
+                           lm_head=copy.deepcopy(target.lm_head).cuda())
+    args = (dc, head, feats.cuda(), batch.to("cuda"), anchors)
+    loss, grads, stats = loss_and_grads(lambda *a: L.dflash_loss(*a, compute_dtype="float32"), *args)
+    torch.testing.assert_close(loss.cpu(), cpu_loss, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads, cpu_grads):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-3, atol=1e-4 * float(b.abs().max()) + 1e-7)
+    assert stats.blocks == cpu_stats.blocks and torch.equal(stats.slot_total, cpu_stats.slot_total)
+    bf16, _, _ = loss_and_grads(L.dflash_loss, *args)                     # "auto": bf16 autocast
+    torch.testing.assert_close(bf16.cpu(), cpu_loss, rtol=3e-2, atol=0)
 
 
 # -- leaks ----------------------------------------------------------------------
@@ -150,9 +355,9 @@ def test_other_blocks_are_invisible(setup):
     B = d.block_size
 
     def embed_perturbing_block(j):
-        def embed(noise_ids):
+        def embed(noise_ids):                        # [R, N, B]: row 1 is the sequence under test
             e = target.embed_tokens(noise_ids).clone()
-            e[j] += 1.0
+            e[1, j] += 1.0
             return e
         return embed
     out = hidden(d, target, feats, ids, anchors, embed=embed_perturbing_block(1))
@@ -161,17 +366,23 @@ def test_other_blocks_are_invisible(setup):
 
 
 def test_other_packed_sequences_are_invisible(setup):
-    cfg, target, d = setup
-    s0, s1 = seq(25, 10), seq(30, 11)
-    batch = packed([s0, s1])
-    anchors = [np.array([3, 9, 20]), np.array([4, 14])]
-    _, _ = L.dflash_loss(d, target, target.features(batch), batch, anchors, 4.0)
+    """Changing sequence r' changes no output of any other row, whether the change keeps
+    the padded shapes or makes r' the longest row with the most anchors."""
+    _, target, d = setup
+    seqs = [seq(25, 10), seq(30, 11), seq(18, 12)]
+    anchors = [np.array([3, 9, 20]), np.array([4, 5, 14, 27]), np.array([0, 16])]
 
-    def first_seq_hidden(b):
-        f = target.features(b)
-        return hidden(d, target, f[:25], b.input_ids[:25], anchors[0])
-    base = first_seq_hidden(batch)
-    assert torch.equal(first_seq_hidden(packed([s0, seq(30, 12)])), base)
+    def rows(seqs, anchors):
+        batch = packed(seqs)
+        h, p = L.batch_hidden(d, target.embed_tokens, target.features(batch), batch, anchors)
+        return [h[r, :len(a)] for r, a in enumerate(anchors)]
+    base = rows(seqs, anchors)
+    same_shape = rows([seqs[0], seq(30, 13), seqs[2]], anchors)
+    assert torch.equal(same_shape[0], base[0]) and torch.equal(same_shape[2], base[2])
+    assert not torch.equal(same_shape[1], base[1])
+    longer = rows([seqs[0], seq(50, 14), seqs[2]], [anchors[0], np.array([1, 2, 3, 30, 31, 40, 48]), anchors[2]])
+    for r in (0, 2):
+        torch.testing.assert_close(longer[r], base[r], rtol=1e-5, atol=1e-5)   # other shapes: rounding only
 
 
 # -- loss ---------------------------------------------------------------------
@@ -265,20 +476,3 @@ def test_label_alignment_perfect_context(setup):
     shifted = torch.tensor([[ids[a + k + 1] for k in range(1, d.block_size)] for a in anchors])
     assert (pred[:, 1:] == want).float().mean() > 0.9
     assert (pred[:, 1:] == shifted).float().mean() < 0.1
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flex_attention_matches_dense_mask(setup):
-    _, target, d = setup
-    ids = torch.tensor(seq(64, 18), device="cuda")
-    anchors = torch.tensor([3, 4, 20, 40, 62], device="cuda")
-    d = d.to("cuda")
-    embed = target.embed_tokens.to("cuda")
-    ctx = d.context(torch.randn(64, d.fc.in_features, device="cuda"))
-    flex = L.block_hidden(d, embed, ctx, ids, anchors)
-    n, B = len(anchors), d.block_size
-    noise = embed(torch.cat([ids[anchors][:, None], torch.full((n, B - 1), d.mask_token_id, device="cuda")], 1))
-    pos = torch.cat([torch.arange(64, device="cuda"), (anchors[:, None] + torch.arange(B, device="cuda")).flatten()])
-    dense = d(noise.reshape(1, n * B, -1), ctx[None], pos[None], sdpa_dense(L.block_mask_dense(anchors, 64, B)))
-    torch.testing.assert_close(flex, dense.reshape(n, B, -1), rtol=1e-4, atol=1e-4)
