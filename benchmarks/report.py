@@ -122,6 +122,9 @@ def render(results: dict) -> str:
     c = results["benches"].get("cluster", {})
     if "loopback" in c:
         out += _cluster(c)
+    d = results["benches"].get("durability", {})
+    if "runs" in d:
+        out += _durability(d)
     out += _others(results["benches"])
     return "\n".join(out)
 
@@ -139,4 +142,26 @@ def _cluster(c: dict) -> list[str]:
         out += _table(["interconnect", *(f"{k} node(s) tok/s (efficiency)" for k in nodes), "exchange s/step"],
                       [[link, *(f"{v[k]['tokens_per_s']:.0f} ({v[k]['efficiency']})" for k in nodes),
                         v[nodes[-1]]["exchange_s"]] for link, v in est["links"].items()])
+    return out
+
+
+def _durability(d: dict) -> list[str]:
+    out = ["", f"## Gradient durability (runtime.grad_durability), 1-1, grad_accum {d['grad_accum']}, simulated "
+               f"compute ({d['drafter_ms_per_batch']} ms drafter/batch), a {d['grad_mb']} MB gradient sum", ""]
+    rows = []
+    for mode in ("batch", "step"):
+        clean, kill = d["runs"][f"{mode}_clean"], d["runs"][f"{mode}_kill"]
+        g = clean["gradient_ms_per_batch"]
+        rows.append([mode, clean["tokens_per_s"], f"{g['gradient load']} + {g['gradient commit']}", kill["recovery_s"],
+                     len(kill["redone"] or []), kill["evicted"]])
+    out += _table(["durability", "steady tok/s", "gradient load + commit ms/batch",
+                   "extra s for the step a drafter died in", "batches redone", "batches evicted"], rows)
+    p = d["paper_qwen3_8b"]
+    links = [k for k, v in p.items() if isinstance(v, dict)]
+    out += ["", f"step / batch throughput: {d['step_over_batch_tokens_per_s']}x; all four runs bit-identical: "
+                f"{d['bit_identical']}. Paper arithmetic for a Qwen3-8B drafter ({p['grad_gb']} GB fp32 sum, "
+                f"{p['drafter_s_per_batch']} s of drafter compute per batch at 400 TFLOP/s): `batch` moves the sum "
+                + "; ".join(f"over {k} in {p[k]['batch_s_per_batch']} s per batch ({p[k]['batch_share']:.1%} of "
+                            "the drafter's time)" for k in links)
+                + f"; `step` redoes at most {p['step_redo_s_worst']} s of work per drafter death."]
     return out

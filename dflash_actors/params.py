@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .runtime.channels import page_lock
+
 
 @dataclass(frozen=True)
 class ParamLayout:
@@ -181,6 +183,11 @@ class GradAccumulators:
 
     def __setstate__(self, state):
         self.__init__(*state)
+
+    def pin(self) -> None:
+        """Page-lock the sums in this process (a drafter or optimizer on a GPU), so that
+        loading and committing them run at full PCIe speed."""
+        page_lock([self.grads], "gradient sums")
 
     def last_batch(self, j: int) -> int:
         """The last batch drafter j's active buffer includes (-1: none)."""

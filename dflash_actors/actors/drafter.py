@@ -82,6 +82,8 @@ class Drafter(Actor):
             like = self.in_ring.slot(0)[FEATURES]
             self.sink = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         self.in_ring.pin()
+        if self.device.type == "cuda":
+            self.spec.grads.pin()
 
     def poison(self, w) -> None:
         self.nan_batch = w.batch_id

@@ -88,6 +88,8 @@ class Optimizer(Actor):
     def attach(self) -> None:
         spec, store = self.spec, self.spec.weights
         self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            spec.grads.pin()
         self.starting("build drafter")
         self.model = build_drafter(spec.cfg, target_info(spec.cfg, self.device))
         self.params = list(self.model.parameters())

@@ -124,15 +124,24 @@ class Ring:
         """Page-lock a CPU ring for fast async H2D copies from this process. Registration
         is per process, so each actor that copies to a GPU calls it after attaching; a
         no-op without CUDA or for CUDA rings."""
-        if self._pinned or self.spec.device != "cpu" or not torch.cuda.is_available():
+        if self._pinned or self.spec.device != "cpu":
             return
-        cudart = torch.cuda.cudart()
-        for t in self.tensors.values():
-            err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if int(getattr(err, "value", err)) != 0:
-                raise RuntimeError(f"ring {self.spec.name}: cudaHostRegister failed ({err})")
+        page_lock(self.tensors.values(), f"ring {self.spec.name}")
         self._pinned = True
 
     @property
     def nbytes(self) -> int:
         return self.spec.n_slots * self.spec.slot_bytes
+
+
+def page_lock(tensors, what: str) -> None:
+    """Page-lock shared CPU tensors for this process (``cudaHostRegister``), so copies
+    between them and a GPU run at full PCIe speed instead of through a staging buffer.
+    A no-op without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    cudart = torch.cuda.cudart()
+    for t in tensors:
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(getattr(err, "value", err)) != 0:
+            raise RuntimeError(f"{what}: cudaHostRegister failed ({err})")

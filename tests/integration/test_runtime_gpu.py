@@ -47,3 +47,16 @@ def test_pinned_cpu_ring_copies_to_gpu():
     ring = Ring.allocate(RingSpec("f", 2, (FieldSpec("hidden", (128, 8), "float32"),)))
     ring.tensors["hidden"][0].fill_(2.0)
     assert _run(_pinned_copy, ring) == 2.0 * 128 * 8
+
+
+def _pinned_sums(grads, conn):
+    grads.pin()
+    conn.send(float(grads.active_flat(0).to("cuda:0", non_blocking=True).sum()))
+
+
+def test_pinned_gradient_sums_copy_to_gpu():
+    from dflash_actors.params import GradAccumulators, ParamLayout
+
+    grads = GradAccumulators.allocate(ParamLayout(("w",), ((64, 8),)), 2)
+    grads.commit(0, 3, [torch.full((64, 8), 0.5)])
+    assert _run(_pinned_sums, grads) == 0.5 * 64 * 8

@@ -41,12 +41,14 @@ def test_two_nodes_train_what_one_machine_with_both_drafters_trains(cache_dir, t
     # Two batches per drafter per step: each node's drafter accumulates, as a 1-2 run
     # with train.grad_accum=2 does. Node 0's optimizer dies halfway through publishing
     # a step it already exchanged: its replacement must take the same sum again, not
-    # ask the link for another. (Restarts are what cost here: one is enough.)
-    # Node 1 keeps its drafter's running sums on the device (grad_durability step) and
-    # its drafter dies on the second batch of a step: the first is made again from the
-    # loader on. Node 0 stores them after every batch (batch). Either way: bit-identical.
-    faults = [{"actor": "optimizer.0", "at_batch": 5, "kind": "sigkill", "at": "publish"},
-              {"actor": "drafter.0", "at_batch": 7, "kind": "sigkill"}]
+    # ask the link for another.
+    # Each node's drafter also dies on the second batch of a step. Node 0 stores its
+    # running sum after every batch (grad_durability batch): its replacement continues
+    # from it. Node 1 keeps it on the device (step): the step's first batch is made
+    # again from the loader on. Either way: bit-identical.
+    kill = {"actor": "optimizer.0", "at_batch": 5, "kind": "sigkill", "at": "publish"}
+    faults = [[kill, {"actor": "drafter.0", "at_batch": 3, "kind": "sigkill"}],
+              [{"actor": "drafter.0", "at_batch": 7, "kind": "sigkill"}]]
     durability = ["batch", "step"]
     # First: it builds the dataset and tiny target the two nodes, threads of one
     # process, would otherwise race to build under the same temporary names.
@@ -54,7 +56,7 @@ def test_two_nodes_train_what_one_machine_with_both_drafters_trains(cache_dir, t
     runs = [tmp_path / "node0", tmp_path / "node1"]
     cfgs = [small_config(cache_dir, runs[k], "1-1", "topology.nodes=2", "train.grad_accum=2",
                          "train.checkpoint_every=2", "runtime.collective_timeout_s=60",
-                         f"runtime.grad_durability={durability[k]}", faults_override([faults[k]]))
+                         f"runtime.grad_durability={durability[k]}", faults_override(faults[k]))
             for k in range(2)]
     (job0, r0), (job1, r1) = run_nodes(cfgs, free_port())
     assert not isinstance(r0, BaseException) and not isinstance(r1, BaseException), (r0, r1)
@@ -63,9 +65,11 @@ def test_two_nodes_train_what_one_machine_with_both_drafters_trains(cache_dir, t
     # exactly once, between them
     ids = [job0.schedule.global_id(b) for b in r0.committed] + [job1.schedule.global_id(b) for b in r1.committed]
     assert sorted(ids) == list(range(ref.steps * 4))
-    assert (r0.summary["restarts"], r1.summary["restarts"]) == (1, 1)
-    died = [e for e in map(json.loads, (runs[1] / "events.log").read_text().splitlines()) if e["event"] == "died"]
-    assert died[0]["actor"] == "drafter.0" and died[0]["redone"] == [6]
+    assert (r0.summary["restarts"], r1.summary["restarts"]) == (2, 1)
+    died = [[e for e in map(json.loads, (run / "events.log").read_text().splitlines()) if e["event"] == "died"]
+            for run in runs]
+    assert sorted((e["actor"], e.get("redone")) for e in died[0]) == [("drafter.0", None), ("optimizer.0", None)]
+    assert [(e["actor"], e.get("redone")) for e in died[1]] == [("drafter.0", [6])]
     # bit-identical to one machine, on both nodes
     assert losses(runs[0]) == ref.losses == losses(runs[1])
     assert_same_weights(final_weights(runs[0]), ref.state_dict)
