@@ -39,9 +39,10 @@ a dead actor are reclaimed from the ledger (``dispatch``), never from what it sa
 Placement: a CPU ring is page-locked (``pin``, ``cudaHostRegister`` on the shared pages)
 by each process that copies it to or from a GPU. A ring may also live on a GPU: the
 supervisor allocates it and outlives every consumer, which is what torch's CUDA IPC
-requires, and a writer to a CUDA slot synchronizes its stream before it commits. (The
-training job keeps both its rings in host memory for now; ``tests/integration/
-test_runtime_gpu.py`` exercises the CUDA ring.)
+requires, and a writer to a CUDA slot synchronizes its stream before it commits, as a
+reader does before it commits (the slot is then reused). (The training job's feature
+ring lives there under ``runtime.feature_transport: cuda``; ``tests/integration/
+test_runtime_gpu.py`` exercises both placements.)
 """
 
 from __future__ import annotations
