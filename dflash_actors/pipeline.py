@@ -368,7 +368,9 @@ class Job:
                                trainer_state(self.cfg, self.schedule, store, version))
 
     def _finish(self, exit_code: int, reason: str, restarts: dict, rollbacks: int) -> RunResult:
-        extra = {}
+        dev, rt = self.pre.devices, self.cfg.runtime
+        extra = {"placement": {"targets": list(dev.targets), "drafters": list(dev.drafters),
+                               "feature_ring": dev.features, "grad_durability": rt.grad_durability}}
         if self.link is not None:
             store = self.shared.weights
             state = {0: "done", 130: "stopped"}.get(exit_code, "failed")

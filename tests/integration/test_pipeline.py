@@ -141,6 +141,8 @@ def test_2_2_launched_into_a_file_is_bit_identical_and_reports_well(cache_dir, t
     stages = summary["stages"]
     assert set(stages) == {"loader", "target", "drafter", "optimizer"}
     assert stages["drafter"]["busy_s"] > 0 and stages["target"]["tflops"] > 0 and stages["drafter"]["mfu"] is None
+    assert summary["placement"] == {"targets": ["cpu", "cpu"], "drafters": ["cpu", "cpu"], "feature_ring": "cpu",
+                                    "grad_durability": "step"}
 
     # metrics.jsonl: one step line per step, in order, adding up to the summary.
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
