@@ -140,11 +140,25 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
+def flex_attend(block_mask, flex):
+    """An ``attend`` that calls ``flex`` (flex_attention, compiled or not) with ``block_mask``.
+
+    Autocast does not cover flex_attention as it covers sdpa, and under it the drafter
+    hands over mixed dtypes (the RMSNorms return fp32 queries and keys, the value
+    projection bf16), which flex refuses: all three go to autocast's dtype, or to the
+    queries' dtype without autocast."""
+    def attend(q, k, v):
+        dev = q.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return attend
+
+
 def make_attend(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int):
     """flex_attention on CUDA (block-sparse, no dense mask), dense sdpa mask elsewhere."""
     if anchors.device.type == "cuda":
-        bm = flex_block_mask(anchors, lengths, ctx_len, block_size)
-        return lambda q, k, v: _compiled_flex()(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
+        return flex_attend(flex_block_mask(anchors, lengths, ctx_len, block_size), _compiled_flex())
     return sdpa_dense(block_mask_dense(anchors, lengths, ctx_len, block_size))
 
 

@@ -211,10 +211,23 @@ def test_flex_block_mask_matches_dense_mask_on_cpu(monkeypatch):
     assert torch.equal(full, tiles.all(5).all(3)) and not (full & partial).any()
 
     monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
-    flex = attention_and_grads(lambda q, k, v: fa.flex_attention(q, k, v, block_mask=bm, enable_gqa=True), q, k, v)
+    attend = L.flex_attend(bm, fa.flex_attention)         # what make_attend returns on CUDA, eager
+    flex = attention_and_grads(attend, q, k, v)
     ref = attention_and_grads(sdpa_dense(dense), q, k, v)
     for a, b in zip(flex, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Under autocast the drafter hands over fp32 queries and keys (after the RMSNorms)
+    # with bf16 values: autocast casts sdpa's inputs, the wrapper casts flex's (compiled
+    # flex may not take mixed dtypes; eager flex here does, so a spy checks the wrapper).
+    seen = []
+    spy = L.flex_attend(bm, lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or fa.flex_attention(
+        q, k, v, **kw))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = spy(q, k, v.bfloat16())
+        want = sdpa_dense(dense)(q, k, v.bfloat16())
+    spy(q, k, v.bfloat16())
+    assert seen == [(torch.bfloat16,) * 3, (torch.float32,) * 3]      # autocast's dtype, else the queries'
+    torch.testing.assert_close(mixed.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
