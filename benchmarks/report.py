@@ -88,6 +88,11 @@ def _others(benches: dict) -> list[str]:
                                 f"(startup {r['startup_s_median']} s); a target killed mid-run at 2-2 (simulated): "
                                 f"throughput fell to {k.get('throughput_dip')} of steady, back to >= 90% after "
                                 f"{k.get('recovery_s')} s (replacement ready after {k.get('restart_s')} s)"])
+    o = benches.get("objective", {})
+    if "error" not in o and o:
+        rows.append(["objective", "drafter forward+backward on CPU, per-sequence -> batched: " + "; ".join(
+            f"{k} {o[k]['ms_median']['per_sequence']} -> {o[k]['ms_median']['batched']} ms ({o[k]['speedup']}x, "
+            f"loss within {o[k]['loss_rel_diff_max']:g})" for k in ("default", "hidden_256"))])
     lr = benches.get("learning", {})
     if "error" not in lr and lr:
         rows.append(["learning", f"simulated tau {lr['simulated_tau_untrained']} -> {lr['simulated_tau_trained']}, "
