@@ -15,7 +15,9 @@ Contract:
             (``optim.skip_step``: no update, the schedule moves on) and logged
             (``bad_step``); more than ``train.max_bad_steps`` in a row stop the job
             (``NonFiniteStop``) before that version is published.
-  waits for nothing on one machine: its Work arrives only once the batch is GRAD_DONE.
+  waits for nothing on one machine: its Work arrives only once the batch is GRAD_DONE
+            and durable (under ``grad_durability: step`` a drafter's batches of a step
+            come only once its sum is committed, so none it takes can still be redone).
             Across machines (``cluster``) it then asks the node's link for step s
             (``Exchange``) and waits, beating, for the sum over every node's drafters
             and every node's stats rows: the step it takes is the single-machine one.
