@@ -1,7 +1,8 @@
-"""``runtime.grad_durability: step`` under real kills: drafters that die mid-step lose
-their running sums, the supervisor makes those batches again from the loader on (through
-rings that later batches keep full, so they take slots back), and the run still ends bit
-for bit on the reference."""
+"""Drafters killed mid-step, under both ``runtime.grad_durability`` modes. With ``step``
+they lose their running sums: the supervisor makes those batches again from the loader
+on (through rings that later batches keep full, so they take slots back). With ``batch``
+the replacement continues from the sum in shared memory. Either way the run ends bit for
+bit on the reference."""
 
 import json
 
@@ -13,19 +14,19 @@ from dflash_actors.pipeline import Job
 from dflash_actors.reference import train_reference
 
 # 1-2 with grad_accum 3: a step is 6 batches, drafter j sums 6s+j, 6s+j+2, 6s+j+4.
-EXTRA = ("data.synthetic.num_samples=384", "train.grad_accum=3", "runtime.grad_durability=step",
-         "runtime.batch_slots=2", "runtime.feature_slots=2")
+EXTRA = ("data.synthetic.num_samples=384", "train.grad_accum=3", "runtime.batch_slots=2", "runtime.feature_slots=2")
 KILLS = [("drafter.0", 10), ("drafter.1", 15), ("drafter.0", 26), ("drafter.1", 35)]
 
 
 @pytest.mark.chaos
-def test_drafters_killed_mid_step_redo_their_batches_and_end_bit_identical(cache_dir, tmp_path):
+@pytest.mark.parametrize("durability", ["step", "batch"])
+def test_drafters_killed_mid_step_end_bit_identical(cache_dir, tmp_path, durability):
     ref = train_reference(small_config(cache_dir, tmp_path / "ref", "1-2", *EXTRA), progress=False)
     assert ref.steps >= 7
     run = tmp_path / "run"
     faults = [{"actor": a, "at_batch": b, "kind": "sigkill"} for a, b in KILLS]
     job = Job(small_config(cache_dir, run, "1-2", *EXTRA, "runtime.max_restarts=10",
-                           faults_override(faults)), progress=False)
+                           f"runtime.grad_durability={durability}", faults_override(faults)), progress=False)
     result = job.run()
     assert result.exit_code == 0, result.reason
     assert sorted(result.committed) == list(range(ref.steps * 6))
@@ -34,6 +35,9 @@ def test_drafters_killed_mid_step_redo_their_batches_and_end_bit_identical(cache
     events = [json.loads(x) for x in (run / "events.log").read_text().splitlines()]
     died = [e for e in events if e["event"] == "died"]
     assert [(e["actor"]) for e in died] == [a for a, _ in KILLS]
+    if durability == "batch":
+        assert not any("redone" in e for e in died) and not any(e["event"] == "evicted" for e in events)
+        return
     # Each died before its batch b: the batches of its step before b were redone.
     for e, (_, b) in zip(died, KILLS):
         step_first = b - b % 6 + b % 2

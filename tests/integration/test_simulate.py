@@ -1,6 +1,7 @@
 """Simulated compute: the models are waits, every byte and message is real, and the
 trace shows every actor."""
 
+import json
 import subprocess
 import sys
 
@@ -25,7 +26,12 @@ def test_simulated_run_moves_real_bytes_and_traces_every_actor(cache_dir, tmp_pa
     assert sorted(result.committed) == list(range(n))
     spans = trace.load(tmp_path / "run" / trace.TRACE_FILE)
     tracks = {s["track"] for s in spans if s["name"] == "work"}
-    assert tracks == {"loader.0", "target.0", "target.1", "drafter.0", "drafter.1", "optimizer.0"}
+    # Every actor that worked has its track. (Which targets work is a race: with targets
+    # this cheap, one that starts late may find every batch already taken.)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())["actors"]
+    worked = {a for a, st in status.items() if st["progress"]["done"]}
+    assert tracks == worked and {"loader.0", "drafter.0", "drafter.1", "optimizer.0"} <= worked
+    assert worked & {"target.0", "target.1"}
     assert any(s["track"] == "supervisor" and s["name"] == "dispatch" for s in spans)
     # Every batch's features went through a slot at the configured width, once.
     tokens = job.shared.batch_stats[:, 4]

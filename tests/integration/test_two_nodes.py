@@ -1,7 +1,7 @@
 """Two nodes on loopback, each a full 1-1 job with its own supervisor and actors, linked
 over gloo on 127.0.0.1, train exactly what one machine with both drafters (1-2) trains:
-bit for bit, every batch exactly once between them, with an actor killed on each, under
-either gradient durability. (The
+bit for bit, every batch exactly once between them, with an actor killed on each (one
+node per gradient durability). (The
 ``chaos`` suite kills a whole node: ``tests/fault/test_cluster_node_loss.py``.)"""
 
 import json
@@ -42,12 +42,12 @@ def test_two_nodes_train_what_one_machine_with_both_drafters_trains(cache_dir, t
     # with train.grad_accum=2 does. Node 0's optimizer dies halfway through publishing
     # a step it already exchanged: its replacement must take the same sum again, not
     # ask the link for another.
-    # Each node's drafter also dies on the second batch of a step. Node 0 stores its
-    # running sum after every batch (grad_durability batch): its replacement continues
-    # from it. Node 1 keeps it on the device (step): the step's first batch is made
-    # again from the loader on. Either way: bit-identical.
-    kill = {"actor": "optimizer.0", "at_batch": 5, "kind": "sigkill", "at": "publish"}
-    faults = [[kill, {"actor": "drafter.0", "at_batch": 3, "kind": "sigkill"}],
+    # Node 1 keeps its drafter's running sum on the device (grad_durability step), and
+    # its drafter dies on the second batch of a step: the step's first batch is made
+    # again from the loader on. Node 0 stores the sum after every batch (batch). Either
+    # way: bit-identical. (Restarts are what cost here; make chaos kills drafters
+    # mid-step under both durabilities: tests/fault/test_step_durability.py.)
+    faults = [[{"actor": "optimizer.0", "at_batch": 5, "kind": "sigkill", "at": "publish"}],
               [{"actor": "drafter.0", "at_batch": 7, "kind": "sigkill"}]]
     durability = ["batch", "step"]
     # First: it builds the dataset and tiny target the two nodes, threads of one
@@ -65,10 +65,10 @@ def test_two_nodes_train_what_one_machine_with_both_drafters_trains(cache_dir, t
     # exactly once, between them
     ids = [job0.schedule.global_id(b) for b in r0.committed] + [job1.schedule.global_id(b) for b in r1.committed]
     assert sorted(ids) == list(range(ref.steps * 4))
-    assert (r0.summary["restarts"], r1.summary["restarts"]) == (2, 1)
+    assert (r0.summary["restarts"], r1.summary["restarts"]) == (1, 1)
     died = [[e for e in map(json.loads, (run / "events.log").read_text().splitlines()) if e["event"] == "died"]
             for run in runs]
-    assert sorted((e["actor"], e.get("redone")) for e in died[0]) == [("drafter.0", None), ("optimizer.0", None)]
+    assert [(e["actor"], e.get("redone")) for e in died[0]] == [("optimizer.0", None)]
     assert [(e["actor"], e.get("redone")) for e in died[1]] == [("drafter.0", [6])]
     # bit-identical to one machine, on both nodes
     assert losses(runs[0]) == ref.losses == losses(runs[1])
