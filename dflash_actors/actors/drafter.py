@@ -114,7 +114,7 @@ class Drafter(Actor):
                 p.grad.fill_(float("nan"))
         write_batch(self.spec.batch_stats, b, stats, meta.n_tokens)
         self.sum_through = b
-        if not (self.keep_sum and not sched.is_last_for_drafter(b)):
+        if not self.keep_sum or sched.is_last_for_drafter(b):
             with self.span("gradient commit", b):
                 acc.commit(self.j, b, [p.grad for p in self.params], count)
         if self.device.type == "cuda":
@@ -131,18 +131,14 @@ class Drafter(Actor):
             for p in self.params:
                 p.grad = None
             return 1
-        count = (b - sched.first_of_own_step(b)) // sched.num_drafters + 1
-        if self.keep_sum:
-            if self.sum_through != prev:
-                raise ProtocolError(f"{self.ctx.actor_id}: batch {b} follows {prev}, but the sum on the device "
-                                    f"ends at {self.sum_through}")
-            return count
-        if acc.last_batch(self.j) != prev:
-            raise ProtocolError(f"{self.ctx.actor_id}: batch {b} follows {acc.last_batch(self.j)}, "
-                                f"expected {prev}")
-        for p, g in zip(self.params, acc.active(self.j)):
-            p.grad = g.to(self.device, copy=True)
-        return count
+        # The sum so far ends at prev: on the device (step), or committed (batch).
+        have = self.sum_through if self.keep_sum else acc.last_batch(self.j)
+        if have != prev:
+            raise ProtocolError(f"{self.ctx.actor_id}: batch {b} follows {prev}, but the running sum ends at {have}")
+        if not self.keep_sum:
+            for p, g in zip(self.params, acc.active(self.j)):
+                p.grad = g.to(self.device, copy=True)
+        return (b - sched.first_of_own_step(b)) // sched.num_drafters + 1
 
     def _train(self, b: int, batch: Batch, slot_features: torch.Tensor):
         """Forward and backward of batch b (gradients added into p.grad); its stats."""
