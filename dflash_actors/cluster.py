@@ -270,8 +270,14 @@ class Link:
         fingerprint = json.loads(mine)      # tuples as the others will read them: lists
         self.store.set(self._key(f"fingerprint/{n.rank}"), mine)
         self._wait_keys([f"fingerprint/{k}" for k in range(n.nodes)], self.join_timeout_s, "join")
-        for k in range(n.nodes):
-            theirs = json.loads(self.store.get(self._key(f"fingerprint/{k}")))
+        prints = [json.loads(self.store.get(self._key(f"fingerprint/{k}"))) for k in range(n.nodes)]
+        # Node 0 holds the store: refusing, it would close it under a node still
+        # reading, which would then see the store gone instead of the mismatch. So it
+        # waits until every node has read them all.
+        self.store.set(self._key(f"read/{n.rank}"), "1")
+        if n.rank == 0:
+            self._wait_keys([f"read/{k}" for k in range(n.nodes)], self.join_timeout_s, "join")
+        for k, theirs in enumerate(prints):
             diff = compare(fingerprint, theirs)
             if diff:
                 raise ConfigError(f"cluster: node {k} was launched with another config or data than node "
