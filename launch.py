@@ -52,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def auto_topology(args: argparse.Namespace, overrides: list[str]) -> str:
     """``--topology auto``: measure the stage costs, pick N-M, say why in one line."""
-    from dflash_actors.advice import choose, device_count
-    from dflash_actors.preflight import preflight
+    from dflash_actors.tools.advice import choose, device_count
+    from dflash_actors.job.preflight import preflight
     args.topology = None
     cfg = config_from_args(args, *overrides)
     devices = args.devices if args.devices is not None else device_count()
@@ -69,8 +69,8 @@ def keep_batches_per_step(args: argparse.Namespace, cfg, run_dir: list[str]):
     adapting ``train.grad_accum``, unless ``--set train.grad_accum`` says otherwise."""
     import yaml
 
-    from dflash_actors.checkpoint import adapt_grad_accum
-    from dflash_actors.rundir import SAVED_CONFIG
+    from dflash_actors.train.checkpoint import adapt_grad_accum
+    from dflash_actors.job.rundir import SAVED_CONFIG
     saved = Path(args.resume) / SAVED_CONFIG
     if not saved.is_file() or any(o.partition("=")[0].strip() == "train.grad_accum" for o in args.overrides):
         return cfg
@@ -82,9 +82,9 @@ def keep_batches_per_step(args: argparse.Namespace, cfg, run_dir: list[str]):
 
 def with_chaos(args: argparse.Namespace, cfg, run_dir: list[str]):
     """``--chaos SEED``: ``--chaos-faults`` random faults over the run's batches."""
-    from dflash_actors.chaos import chaos_faults, faults_override
-    from dflash_actors.preflight import preflight
-    from dflash_actors.schedule import Schedule
+    from dflash_actors.tools.chaos import chaos_faults, faults_override
+    from dflash_actors.job.preflight import preflight
+    from dflash_actors.train.schedule import Schedule
     if args.chaos_faults < 1:
         raise ValueError(f"--chaos-faults: must be >= 1 (got {args.chaos_faults})")
     total = Schedule.from_config(cfg, preflight(cfg, progress=False).dataset.lengths).total_batches
@@ -98,7 +98,7 @@ def with_chaos(args: argparse.Namespace, cfg, run_dir: list[str]):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["status"]:
-        from dflash_actors.statusview import main as status_main
+        from dflash_actors.observe.statusview import main as status_main
         return status_main(argv[1:])
     args = parse_args(argv)
     # The job reports progress itself (status.json, the summary); model-loading bars from
@@ -113,8 +113,8 @@ def main(argv=None) -> int:
     # in one line instead (read when torch loads, which the next import does).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
-        from dflash_actors.cluster import launcher_restart, node_spec
-        from dflash_actors.rundir import SAVED_CONFIG
+        from dflash_actors.cluster.link import launcher_restart, node_spec
+        from dflash_actors.job.rundir import SAVED_CONFIG
         node = node_spec(args.nnodes, args.node_rank, args.master)
         if any(o.partition("=")[0].strip() == "topology.nodes" for o in args.overrides):
             raise ValueError("topology.nodes: set by --nnodes or the torchrun/SLURM environment, not --set")
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         if args.resume == "":
             raise ValueError("--resume: needs the run directory to continue (got an empty path)")
         if args.resume is not None:
-            from dflash_actors.rundir import resume_config
+            from dflash_actors.job.rundir import resume_config
             args.config = resume_config(args.resume, args.config)
         args.config = args.config or str(DEFAULT_CONFIG)
         if args.topology == "auto":
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
             cfg = with_chaos(args, cfg, run_dir)
         if args.plan_only:
             from dflash_actors.models.head import target_info
-            from dflash_actors.preflight import preflight
+            from dflash_actors.job.preflight import preflight
             pre = preflight(cfg)
             # The target too: its layers and vocabulary against the data, as a run would.
             pre.dataset.check_values(target_info(cfg, "cpu").vocab_size)
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                               "epoch0": pre.plan0.stats(pre.dataset.lengths, cfg.batching.token_budget)}))
             return 0
         from dflash_actors import console
-        from dflash_actors.pipeline import Job
+        from dflash_actors.job.job import Job
         console.setup(cfg.monitor.console, cfg.monitor.log_every_s)
         job = Job(cfg, resume=args.resume is not None, node=node)
     except (ValueError, OSError) as e:   # ConfigError, DatasetError, ResumeError are ValueErrors

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_actors import costmodel
-from dflash_actors.cluster import Exchange, Link, NodeSpec
-from dflash_actors.params import GradAccumulators, ParamLayout, WeightStore
-from dflash_actors.schedule import Schedule
+from dflash_actors.train import costmodel
+from dflash_actors.cluster.link import Exchange, Link, NodeSpec
+from dflash_actors.train.params import GradAccumulators, ParamLayout, WeightStore
+from dflash_actors.train.schedule import Schedule
 
 SIZES = ((41_248, 30), (4_194_304, 12), (33_554_432, 6))
 RUNTIME = SimpleNamespace(collective_timeout_s=120.0, replica_check_every=0, start_timeout_s=120.0)

@@ -35,7 +35,7 @@ import numpy as np
 
 
 def make_dataset(path: Path, n: int, seed: int = 0, shards: int = 8) -> None:
-    from dflash_actors.synthetic import write_token_dataset
+    from dflash_actors.data.synthetic import write_token_dataset
     rng = np.random.default_rng(seed)
     # lognormal with mean ~2000: mean = exp(mu + sigma^2 / 2)
     sigma = 0.8
@@ -60,7 +60,7 @@ def measure_open(path: str) -> dict:
     import pyarrow as pa
     import torch  # noqa: F401  (the actors import it anyway; keep it out of the delta)
 
-    from dflash_actors.data import TokenDataset
+    from dflash_actors.data.dataset import TokenDataset
     # pyarrow's first array call imports pandas when installed (~0.2-0.3 s, once per
     # process, independent of the data): time it apart from the open.
     t = time.perf_counter()
@@ -84,7 +84,7 @@ def open_in_subprocess(path: Path) -> dict:
 def materialize_seconds(path: Path, total_tokens: int, subset_rows: int) -> float:
     import pyarrow as pa
 
-    from dflash_actors.data import _shard_paths
+    from dflash_actors.data.dataset import _shard_paths
     shard = _shard_paths(path)[0]
     table = pa.ipc.open_stream(pa.memory_map(str(shard))).read_all().slice(0, subset_rows)
     t = time.perf_counter()
@@ -115,8 +115,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dir", default=None, help="where to generate (default: a temp dir)")
     args = ap.parse_args(argv)
 
-    from dflash_actors.batching import BatchBuffers, assemble, plan_epoch
-    from dflash_actors.data import TokenDataset
+    from dflash_actors.data.batching import BatchBuffers, assemble, plan_epoch
+    from dflash_actors.data.dataset import TokenDataset
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         big, small = Path(tmp) / "big", Path(tmp) / "small"

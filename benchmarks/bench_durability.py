@@ -30,9 +30,9 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import simulated
-from dflash_actors import costmodel
-from dflash_actors.chaos import faults_override
-from dflash_actors.checkpoint import list_checkpoints
+from dflash_actors.train import costmodel
+from dflash_actors.tools.chaos import faults_override
+from dflash_actors.train.checkpoint import list_checkpoints
 
 GRAD_ACCUM = 4
 KILL_STEP = 5

@@ -33,7 +33,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from benchmarks import simulated
-from dflash_actors import costmodel
+from dflash_actors.train import costmodel
 from dflash_actors.config import parse_topology
 
 GOAL_EFFICIENCY = 0.95

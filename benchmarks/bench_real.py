@@ -34,7 +34,7 @@ def say(msg: str) -> None:
 
 
 def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int) -> dict:
-    from dflash_actors.prepare import SamplingSettings, prepare, read_metadata
+    from dflash_actors.eval.prepare import SamplingSettings, prepare, read_metadata
 
     if not (out / "prepare.json").is_file():
         say(f"prepare {prompts.name} -> {out}")
@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     from transformers.utils import logging as hf_logging
 
     from dflash_actors.config import load_config
-    from dflash_actors.evaluate import evaluate_real
+    from dflash_actors.eval.parity import evaluate_real
 
     hf_logging.disable_progress_bar()
     cfg = load_config(CONFIG)

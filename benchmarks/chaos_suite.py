@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_actors.chaos import restart_times
+from dflash_actors.tools.chaos import restart_times
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
@@ -59,7 +59,7 @@ def launch(run_dir: Path, *extra: str) -> tuple[int, float]:
 
 def final(run_dir: Path) -> tuple[dict, dict, list[str]]:
     """Final weights, trainer state, and what is wrong with the final checkpoint."""
-    from dflash_actors.checkpoint import latest_checkpoint, load_trainer_state
+    from dflash_actors.train.checkpoint import latest_checkpoint, load_trainer_state
     from dflash_actors.models.drafter import DFlashDrafter
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
@@ -114,7 +114,7 @@ def main() -> int:
     progress(f"external chaos: {KILLS} actor kills, {SUPERVISOR_KILLS} supervisor kills, {STOPS} stop/cont ...")
     ext_dir = base / "external"
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dflash_actors.chaos", str(ext_dir), "--kills", str(KILLS),
+    proc = subprocess.run([sys.executable, "-m", "dflash_actors.tools.chaos", str(ext_dir), "--kills", str(KILLS),
                            "--supervisor-kills", str(SUPERVISOR_KILLS), "--stop-cont", str(STOPS),
                            "--seed", str(SEED), "--quiet", "--", *JOB, "--set",
                            "runtime.faults=" + json.dumps(MID_WRITE)],

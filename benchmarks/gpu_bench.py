@@ -113,7 +113,7 @@ def first_line(e: BaseException) -> str:
 
 
 def model_shape(model: dict, layers: int):
-    from dflash_actors.costmodel import ModelShape
+    from dflash_actors.train.costmodel import ModelShape
 
     return ModelShape("bench", model["hidden_size"], layers, model["intermediate_size"],
                       model["num_attention_heads"], model["num_key_value_heads"], model["head_dim"],
@@ -123,7 +123,7 @@ def model_shape(model: dict, layers: int):
 def target_flops(model: dict, layer_ids: list[int], rows: int, seq_len: int) -> float:
     """Forward FLOPs of ``TargetModel.hidden`` on ``[rows, seq_len]``: layers up to the
     deepest selected one, no embeddings, no final norm, no LM head (``costmodel``'s count)."""
-    from dflash_actors.costmodel import Workload, target_flops_per_batch
+    from dflash_actors.train.costmodel import Workload, target_flops_per_batch
 
     return target_flops_per_batch(model_shape(model, max(layer_ids) + 1),
                                   Workload(token_budget=rows * seq_len, sequences_per_batch=rows))
@@ -134,7 +134,7 @@ def drafter_flops(model: dict, feature_layers: int, draft_layers: int, rows: int
     """Forward+backward FLOPs of one drafter step (``costmodel.drafter_flops_per_batch``):
     its layers over every block token, the frozen LM head over every block token, the
     ``fc`` over every target token, attention over the context and the block."""
-    from dflash_actors.costmodel import Workload, drafter_flops_per_batch
+    from dflash_actors.train.costmodel import Workload, drafter_flops_per_batch
 
     w = Workload(token_budget=rows * seq_len, sequences_per_batch=rows, anchors=anchors_per_row,
                  block_size=block_size, feature_layers=feature_layers, drafter_layers=draft_layers)
@@ -145,7 +145,7 @@ def peak_tflops(device) -> float:
     """The device's bf16 dense peak from ``monitor.PEAK_TFLOPS``; an H200's where unknown (CPU)."""
     import torch
 
-    from dflash_actors.monitor import PEAK_TFLOPS
+    from dflash_actors.observe.monitor import PEAK_TFLOPS
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -310,7 +310,7 @@ def build_drafter_step(sizes: Sizes, device):
     from torch import nn
     from transformers import Qwen3Config
 
-    from dflash_actors.batching import Batch
+    from dflash_actors.data.batching import Batch
     from dflash_actors.models.drafter import DFlashDrafter, drafter_config
     from dflash_actors.models.target import build_target_layer_ids, resolve_dtype
 
@@ -591,7 +591,7 @@ def bench_tiny(logs: Path, limit_s: float, smoke: bool, out: str | None = None) 
     sets = tiny_sets(smoke)
     cmds = {"pipeline_2_2": with_sets([sys.executable, "launch.py", "--topology", "2-2", "--run-dir", str(run)],
                                       sets + devices_sets(device, 2)),
-            "reference_2_2": with_sets([sys.executable, "-m", "dflash_actors.reference", "--topology", "2-2",
+            "reference_2_2": with_sets([sys.executable, "-m", "dflash_actors.job.reference", "--topology", "2-2",
                                         "--run-dir", str(ref)], sets)}
     procs = {k: subprocess.Popen(c, cwd=ROOT, stdout=open(logs / f"{k}.log", "w"), stderr=subprocess.STDOUT)
              for k, c in cmds.items()}

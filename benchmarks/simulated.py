@@ -14,9 +14,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_actors import costmodel
+from dflash_actors.train import costmodel
 from dflash_actors.config import load_config
-from dflash_actors.pipeline import Job
+from dflash_actors.job.job import Job
 from dflash_actors.runtime import trace
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from .costmodel import SHAPES, Workload, simulated_costs
+from .train.costmodel import SHAPES, Workload, simulated_costs
 from .runtime.config import (
     ConfigError,
     RuntimeConfig,

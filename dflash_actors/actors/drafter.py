@@ -33,17 +33,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import FEATURES, Batch, BatchMeta
+from ..data.batching import FEATURES, Batch, BatchMeta
 from ..config import Config
-from ..metrics import write_batch
+from ..train.metrics import write_batch
 from ..models.drafter import build_drafter
 from ..models.head import load_head
 from ..models.loss import batch_loss, decay_gamma
-from ..params import GradAccumulators, WeightStore
+from ..train.params import GradAccumulators, WeightStore
 from ..runtime.actor import Actor
 from ..runtime.dispatch import ProtocolError
-from ..schedule import Schedule
-from ..simulate import SimulatedCompute, fake_backward, no_stats, stamp_problem, wait
+from ..train.schedule import Schedule
+from ..train.simulate import SimulatedCompute, fake_backward, no_stats, stamp_problem, wait
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..batching import BatchBuffers, assemble
+from ..data.batching import BatchBuffers, assemble
 from ..config import Config
-from ..data import open_dataset
+from ..data.dataset import open_dataset
 from ..runtime.actor import Actor
-from ..schedule import Plans, Schedule
+from ..train.schedule import Plans, Schedule
 
 
 @dataclass(frozen=True)

@@ -41,17 +41,17 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import save_checkpoint, trainer_state, verified_checkpoint
-from ..cluster import ClusterError, Exchange
+from ..train.checkpoint import save_checkpoint, trainer_state, verified_checkpoint
+from ..cluster.link import ClusterError, Exchange
 from ..config import Config
-from ..metrics import bad_run, fold_step, write_step
+from ..train.metrics import bad_run, fold_step, write_step
 from ..models.drafter import build_drafter
 from ..models.head import target_info
-from ..optim import build_optimizer, build_scheduler, reduce_and_step, restore
-from ..params import GradAccumulators, WeightStore
+from ..train.optim import build_optimizer, build_scheduler, reduce_and_step, restore
+from ..train.params import GradAccumulators, WeightStore
 from ..runtime.actor import Actor, Escalate
 from ..runtime.dispatch import ProtocolError
-from ..schedule import Schedule
+from ..train.schedule import Schedule
 
 
 class RollbackRequired(Escalate):

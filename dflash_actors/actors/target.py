@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import FEATURES, Batch, BatchMeta, copy_batch
+from ..data.batching import FEATURES, Batch, BatchMeta, copy_batch
 from ..config import Config
 from ..runtime.actor import Actor, Escalate
-from ..simulate import SimulatedCompute, stamp, wait
+from ..train.simulate import SimulatedCompute, stamp, wait
 
 
 class SelfCheckFailed(Escalate):

@@ -264,7 +264,7 @@ def choose_mask_token(tokenizer, embedding_rows: int) -> tuple[int, str]:
 
 
 def _default_mask_token(cfg, target) -> tuple[int, str]:
-    from dflash_actors.models.target import ensure_target
+    from .target import ensure_target
 
     path = ensure_target(cfg)
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):

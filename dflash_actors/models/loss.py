@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_actors.models.drafter import sdpa_dense
+from .drafter import sdpa_dense
 
 CE_CHUNK_ROWS = 4096
 """Rows of [rows, vocab] logits alive at once (4096 x 152k fp32 = 2.5 GB at most)."""

@@ -146,7 +146,7 @@ def self_check(target: TargetModel, length: int = 24, seed: int = 0) -> None:
     that do not restart, or a model-specific forward the wrapper bypasses would break;
     training would run on such features without complaint.
     """
-    from dflash_actors.batching import Batch
+    from ..data.batching import Batch
 
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, target.vocab_size, (n,), generator=g) for n in (length // 2, length)]
@@ -326,7 +326,7 @@ def ensure_target(cfg) -> Path:
     """
     if cfg.target.path is not None:
         return resolve_target_dir(cfg.target.path, cfg.target.gguf_file, cfg.data.cache_dir)
-    from dflash_actors.synthetic import ensure_synthetic_dataset
+    from ..data.synthetic import ensure_synthetic_dataset
 
     train_dir, _ = ensure_synthetic_dataset(cfg.data)
     # The data directory's name is the hash of the grammar and its recipe: a new grammar
@@ -346,7 +346,7 @@ _TINY_RECIPE = {"version": 1, "lr": 3e-3, "seed": 0x7A46E7}
 
 
 def _pretrain_tiny(cfg, train_dir: Path) -> Qwen3ForCausalLM:
-    from dflash_actors.data import open_dataset
+    from ..data.dataset import open_dataset
 
     ds = open_dataset(cfg.data, progress=False, path=train_dir)
     seed, lr, bs = _TINY_RECIPE["seed"], _TINY_RECIPE["lr"], cfg.target.tiny.pretrain_batch

@@ -8,8 +8,8 @@ from support.pipeline import assert_same_weights, final_weights, losses, small_c
 from support.runtime import assert_exactly_once, runtime
 from support.toy import toy_job
 
-from dflash_actors.pipeline import Job
-from dflash_actors.reference import train_reference
+from dflash_actors.job.job import Job
+from dflash_actors.job.reference import train_reference
 from dflash_actors.runtime.supervisor import JobState
 
 

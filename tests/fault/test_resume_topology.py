@@ -13,8 +13,8 @@ import pytest
 from support.pipeline import final_weights, small_config
 
 import launch
-from dflash_actors.pipeline import Job
-from dflash_actors.reference import train_reference
+from dflash_actors.job.job import Job
+from dflash_actors.job.reference import train_reference
 
 LEN = ("train.epochs=6", "train.grad_accum=2", "train.checkpoint_every=2")
 

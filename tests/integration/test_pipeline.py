@@ -12,12 +12,12 @@ from collections import defaultdict
 import pytest
 from support.pipeline import ROOT, assert_same_weights, final_weights, losses, small_config
 
-from dflash_actors import statusview
+from dflash_actors.observe import statusview
 from dflash_actors.config import dump_config
-from dflash_actors.pipeline import Job
-from dflash_actors.reference import train_reference
+from dflash_actors.job.job import Job
+from dflash_actors.job.reference import train_reference
 from dflash_actors.runtime import trace
-from dflash_actors.schedule import Schedule
+from dflash_actors.train.schedule import Schedule
 
 REFERENCE = {}
 
@@ -169,6 +169,6 @@ def test_2_2_launched_into_a_file_is_bit_identical_and_reports_well(cache_dir, t
     assert status["training"]["tokens"] == ref.tokens and status["training"]["loss"] == ref.losses[-1]
 
     pytest.importorskip("matplotlib")
-    from dflash_actors import plot
+    from dflash_actors.observe import plot
     assert plot.main([str(run)]) == 0
     assert (run / "plot.png").read_bytes()[:4] == b"\x89PNG"

@@ -15,11 +15,11 @@ from support.chat import tiny_chat_target
 from support.pipeline import ROOT, SMALL
 
 from dflash_actors.config import load_config
-from dflash_actors.data import open_dataset
-from dflash_actors.evaluate import main as evaluate_main
+from dflash_actors.data.dataset import open_dataset
+from dflash_actors.eval.parity import main as evaluate_main
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.models.target import ensure_target
-from dflash_actors.prepare import (
+from dflash_actors.eval.prepare import (
     PrepareError,
     SamplingSettings,
     encode_prompt,
@@ -53,7 +53,7 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
     meta = read_metadata(out)
     assert len(ds) == len(PROMPTS) + 1 == meta["completions"] and meta["template"]["enable_thinking"] is False
     tok = load_tokenizer(target)
-    from dflash_actors.prepare import TemplateSettings
+    from dflash_actors.eval.prepare import TemplateSettings
     settings = TemplateSettings(**meta["template"])
     for i in (0, 7, 8):
         ids, mask = ds.sample(i)
@@ -65,7 +65,7 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
         # greedy: the completion is the target's own continuation
         from transformers import AutoModelForCausalLM
 
-        from dflash_actors.evaluate import greedy_cached
+        from dflash_actors.eval.parity import greedy_cached
         from dflash_actors.models.target import TargetModel
         t = TargetModel(AutoModelForCausalLM.from_pretrained(target), [0])
         want, _ = greedy_cached(t, torch.tensor(prompt), 12, (tok.eos_token_id,))
@@ -74,7 +74,7 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
 
 
 def _prepare_cmd(target, prompts, out):
-    return [sys.executable, "-m", "dflash_actors.prepare", "--target", str(target), "--prompts", str(prompts),
+    return [sys.executable, "-m", "dflash_actors.eval.prepare", "--target", str(target), "--prompts", str(prompts),
             "--out", str(out), "--max-new-tokens", "16", "--batch-size", "1", "--shard-size", "1",
             "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--threads", "1"]
 

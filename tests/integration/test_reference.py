@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from dflash_actors.config import load_config
-from dflash_actors.data import open_dataset
-from dflash_actors.evaluate import ensure_target_text, evaluate_drafter
+from dflash_actors.data.dataset import open_dataset
+from dflash_actors.eval.parity import ensure_target_text, evaluate_drafter
 from dflash_actors.models.drafter import DFlashDrafter
-from dflash_actors.reference import main, train_reference
-from dflash_actors.synthetic import flatten, write_token_dataset
+from dflash_actors.job.reference import main, train_reference
+from dflash_actors.data.synthetic import flatten, write_token_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 

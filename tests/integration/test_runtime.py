@@ -11,7 +11,7 @@ import psutil
 from support.runtime import assert_exactly_once, events, runtime
 from support.toy import toy_job
 
-from dflash_actors import statusview
+from dflash_actors.observe import statusview
 from dflash_actors.runtime.supervisor import JobState
 
 

@@ -55,7 +55,7 @@ def _pinned_sums(grads, conn):
 
 
 def test_pinned_gradient_sums_copy_to_gpu():
-    from dflash_actors.params import GradAccumulators, ParamLayout
+    from dflash_actors.train.params import GradAccumulators, ParamLayout
 
     grads = GradAccumulators.allocate(ParamLayout(("w",), ((64, 8),)), 2)
     grads.commit(0, 3, [torch.full((64, 8), 0.5)])

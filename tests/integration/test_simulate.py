@@ -8,9 +8,9 @@ import sys
 import torch
 from support.pipeline import small_config
 
-from dflash_actors.pipeline import Job
+from dflash_actors.job.job import Job
 from dflash_actors.runtime import trace
-from dflash_actors.simulate import stamp, stamp_problem
+from dflash_actors.train.simulate import stamp, stamp_problem
 
 WIDTH = 96
 

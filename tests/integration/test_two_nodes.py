@@ -9,11 +9,11 @@ import threading
 
 from support.pipeline import assert_same_weights, final_weights, free_port, losses, small_config
 
-from dflash_actors.chaos import faults_override
-from dflash_actors.checkpoint import list_checkpoints, load_trainer_state
-from dflash_actors.cluster import NodeSpec
-from dflash_actors.pipeline import Job
-from dflash_actors.reference import train_reference
+from dflash_actors.tools.chaos import faults_override
+from dflash_actors.train.checkpoint import list_checkpoints, load_trainer_state
+from dflash_actors.cluster.link import NodeSpec
+from dflash_actors.job.job import Job
+from dflash_actors.job.reference import train_reference
 
 
 def run_nodes(cfgs, port: int, resume: bool = False) -> list:

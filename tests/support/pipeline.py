@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_actors.checkpoint import latest_checkpoint
+from dflash_actors.train.checkpoint import latest_checkpoint
 from dflash_actors.config import load_config
 from dflash_actors.models.drafter import DFlashDrafter
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_actors.batching import Batch, BatchBuffers, assemble, plan_epoch
-from dflash_actors.data import TokenDataset
-from dflash_actors.synthetic import flatten, write_token_dataset
+from dflash_actors.data.batching import Batch, BatchBuffers, assemble, plan_epoch
+from dflash_actors.data.dataset import TokenDataset
+from dflash_actors.data.synthetic import flatten, write_token_dataset
 
 BUDGET, MAX_SAMPLES = 512, 16
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from dflash_actors.checkpoint import (
+from dflash_actors.train.checkpoint import (
     PER_STEP,
     ResumeError,
     adapt_grad_accum,

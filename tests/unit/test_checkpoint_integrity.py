@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_actors.actors.optimizer import Optimizer
-from dflash_actors.checkpoint import (
+from dflash_actors.train.checkpoint import (
     MANIFEST,
     STATE_FILE,
     checkpoint_problem,

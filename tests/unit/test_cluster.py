@@ -11,12 +11,12 @@ import pytest
 import torch
 from support.pipeline import free_port
 
-from dflash_actors import cluster
-from dflash_actors.cluster import ClusterError, Exchange, Link, NodeSpec, first_host, launcher_restart, node_spec
+from dflash_actors.cluster import link as cluster
+from dflash_actors.cluster.link import ClusterError, Exchange, Link, NodeSpec, first_host, launcher_restart, node_spec
 from dflash_actors.config import ConfigError
-from dflash_actors.optim import reduce_and_step
-from dflash_actors.params import GradAccumulators, ParamLayout, WeightStore
-from dflash_actors.schedule import Schedule
+from dflash_actors.train.optim import reduce_and_step
+from dflash_actors.train.params import GradAccumulators, ParamLayout, WeightStore
+from dflash_actors.train.schedule import Schedule
 
 # -- the node spec ------------------------------------------------------------
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dflash_actors import costmodel
-from dflash_actors.costmodel import (
+from dflash_actors.train import costmodel
+from dflash_actors.train.costmodel import (
     NVLINK,
     PCIE,
     SHAPES,

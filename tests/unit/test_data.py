@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_actors.data import DatasetError, TokenDataset
-from dflash_actors.synthetic import flatten, write_token_dataset
+from dflash_actors.data.dataset import DatasetError, TokenDataset
+from dflash_actors.data.synthetic import flatten, write_token_dataset
 
 RNG = np.random.default_rng(0)
 SAMPLES = [RNG.integers(0, 100, n) for n in (5, 1, 9, 3, 12, 7)]

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_actors.data import open_dataset
-from dflash_actors.evaluate import (
+from dflash_actors.data.dataset import open_dataset
+from dflash_actors.eval.parity import (
     completion_entropy,
     conditional_acceptance,
     drafter_proposer,
@@ -18,7 +18,7 @@ from dflash_actors.evaluate import (
     walk_tau,
 )
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
-from dflash_actors.synthetic import ensure_synthetic_dataset, flatten, write_token_dataset
+from dflash_actors.data.synthetic import ensure_synthetic_dataset, flatten, write_token_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,7 +136,7 @@ def test_walk_over_simulated_acceptances_replays_real_decoding(setup, tmp_path):
 
 
 def test_evaluator_due_versions():
-    from dflash_actors.evaluator import due_versions
+    from dflash_actors.eval.evaluator import due_versions
     assert due_versions(0, 18, 5) == [5, 10, 15, 18]
     assert due_versions(0, 15, 5) == [5, 10, 15]
     assert due_versions(7, 18, 5) == [10, 15, 18]      # a resumed run: only what is still ahead
@@ -146,8 +146,8 @@ def test_evaluator_due_versions():
 def test_evaluator_snapshot_discards_a_recycled_buffer():
     """Version v lives in buffer v % 2 until v + 2 is built there: a copy is whole while
     the version still reads v or v + 1 after it, and discarded afterwards."""
-    from dflash_actors.evaluator import snapshot
-    from dflash_actors.params import ParamLayout, WeightStore
+    from dflash_actors.eval.evaluator import snapshot
+    from dflash_actors.train.params import ParamLayout, WeightStore
     layer = torch.nn.Linear(3, 2)
     store = WeightStore.allocate(ParamLayout.of(layer))
     params = list(layer.parameters())

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_actors.batching import Batch
+from dflash_actors.data.batching import Batch
 from dflash_actors.config import load_config
 from dflash_actors.models import loss as L
 from dflash_actors.models.drafter import build_drafter, sdpa_dense

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from dflash_actors.metrics import (
+from dflash_actors.train.metrics import (
     STEP_COLS,
     batch_table,
     fold_step,

@@ -11,10 +11,10 @@ import torch
 
 from dflash_actors import console
 from dflash_actors.config import Config, build
-from dflash_actors.metrics import batch_table, step_table, write_batch, write_step
+from dflash_actors.train.metrics import batch_table, step_table, write_batch, write_step
 from dflash_actors.models.loss import BlockStats
-from dflash_actors.monitor import Monitor, accounting, progress_line, starting_line
-from dflash_actors.schedule import Schedule
+from dflash_actors.observe.monitor import Monitor, accounting, progress_line, starting_line
+from dflash_actors.train.schedule import Schedule
 
 STAGES = [SimpleNamespace(role=r, count=c) for r, c in (("loader", 1), ("target", 2), ("drafter", 2),
                                                          ("optimizer", 1))]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_actors.optim import build_optimizer, build_scheduler, lr_factor, reduce_and_step, restore
+from dflash_actors.train.optim import build_optimizer, build_scheduler, lr_factor, reduce_and_step, restore
 
 P0 = [1.0, -2.0, 0.5]
 G1 = [0.3, -1.2, 2.0]

@@ -6,7 +6,7 @@ exactly as it was."""
 import pytest
 import torch
 
-from dflash_actors.params import GradAccumulators, ParamLayout, WeightStore
+from dflash_actors.train.params import GradAccumulators, ParamLayout, WeightStore
 
 
 class Killed(Exception):

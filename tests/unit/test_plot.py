@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dflash_actors.plot import at, load, main, series
+from dflash_actors.observe.plot import at, load, main, series
 
 T0 = 1764480000.0
 

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from dflash_actors import statusview
+from dflash_actors.observe import statusview
 
 pytestmark = pytest.mark.timeout(30)
 

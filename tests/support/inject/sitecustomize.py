@@ -47,7 +47,7 @@ def _shift_layers(module) -> None:
 
 PATCHES = {}
 if float(os.environ.get(PAUSE_ENV, 0)) > 0:
-    PATCHES["dflash_actors.checkpoint"] = _slow_down
+    PATCHES["dflash_actors.train.checkpoint"] = _slow_down
 if os.environ.get(SHIFT_ENV):
     PATCHES["dflash_actors.models.target"] = _shift_layers
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_actors.batching import Batch, BatchBuffers, assemble, plan_for
-from dflash_actors.data import open_dataset
-from dflash_actors.models.drafter import build_drafter
-from dflash_actors.models.loss import (
+from ..data.batching import Batch, BatchBuffers, assemble, plan_for
+from ..data.dataset import open_dataset
+from ..models.drafter import build_drafter
+from ..models.loss import (
     all_anchors,
     anchor_candidates,
     block_hidden,
@@ -35,7 +35,7 @@ from dflash_actors.models.loss import (
     decay_gamma,
     dflash_loss,
 )
-from dflash_actors.synthetic import flatten, write_token_dataset
+from ..data.synthetic import flatten, write_token_dataset
 
 
 @torch.no_grad()
@@ -304,8 +304,8 @@ def regenerate(target, dataset, out_dir: str | Path, completion_len: int | None 
 def ensure_target_text(cfg) -> Path:
     """The training split with the target's greedy completions (the DFlash recipe:
     drafters learn the target's text, not the data's), built once next to the target."""
-    from dflash_actors.models.target import ensure_target, load_target
-    from dflash_actors.preflight import train_path
+    from ..models.target import ensure_target, load_target
+    from ..job.preflight import train_path
 
     tdir = ensure_target(cfg)
     src = train_path(cfg)
@@ -336,8 +336,8 @@ def evaluate_drafter(cfg, state_dict=None, max_new_tokens: int = 64) -> dict:
     real tau by speculative decoding from the same prompts for the same length, so the
     two see the same tokens. Simulated tau on the raw held-out data is reported too.
     """
-    from dflash_actors.models.target import ensure_target, load_target
-    from dflash_actors.synthetic import ensure_synthetic_dataset
+    from ..models.target import ensure_target, load_target
+    from ..data.synthetic import ensure_synthetic_dataset
 
     torch.set_num_threads(cfg.train.num_threads)
     target = load_target(cfg, "cpu")
@@ -487,8 +487,8 @@ training's acceptance then does not predict serving's."""
 
 def resolve_drafter_dir(path: str | Path) -> Path:
     """A drafter directory, a checkpoint (``step-N``) or a run directory (its latest checkpoint)."""
-    from dflash_actors.checkpoint import latest_checkpoint
-    from dflash_actors.models.drafter import WEIGHTS
+    from ..train.checkpoint import latest_checkpoint
+    from ..models.drafter import WEIGHTS
 
     p = Path(path)
     if (p / "config.json").is_file() and (p / WEIGHTS).is_file():
@@ -501,7 +501,7 @@ def resolve_drafter_dir(path: str | Path) -> Path:
 
 def saved_run_config(drafter_dir: Path) -> dict | None:
     """The training config stored beside a checkpoint's drafter, if any."""
-    from dflash_actors.checkpoint import STATE_FILE, load_trainer_state
+    from ..train.checkpoint import STATE_FILE, load_trainer_state
 
     return load_trainer_state(drafter_dir).get("config") if (drafter_dir / STATE_FILE).is_file() else None
 
@@ -510,8 +510,8 @@ def load_parity_target(target_path: str, layer_ids: list[int], cache_dir: str = 
     """``(TargetModel, tokenizer)`` on CPU in float32, exposing ``layer_ids``."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_actors.models.target import TargetModel, resolve_target_dir
-    from dflash_actors.prepare import load_tokenizer
+    from ..models.target import TargetModel, resolve_target_dir
+    from .prepare import load_tokenizer
 
     tdir = resolve_target_dir(target_path, None, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32, attn_implementation="sdpa")
@@ -520,7 +520,7 @@ def load_parity_target(target_path: str, layer_ids: list[int], cache_dir: str = 
 
 def check_template(tokenizer, opts: dict, dataset_dir: Path | None) -> str:
     """Refuse prompts templated unlike the training data (``prepare.json``); say what was checked."""
-    from dflash_actors.prepare import PrepareError, TemplateSettings, read_metadata, template_settings
+    from .prepare import PrepareError, TemplateSettings, read_metadata, template_settings
 
     mine = template_settings(tokenizer, **opts)
     meta = read_metadata(dataset_dir) if dataset_dir is not None else None
@@ -539,8 +539,8 @@ def evaluate_real(drafter_dir: str | Path, prompts_path: str | Path, *, target_p
                   limit: int | None = None, baselines: tuple[str, ...] = ("untrained", "ngram", "repeat"),
                   threads: int | None = None, cache_dir: str = ".cache", log=print) -> dict:
     """The parity report of a trained drafter and its baselines on held-out chat prompts."""
-    from dflash_actors.models.drafter import DFlashDrafter
-    from dflash_actors.prepare import encode_prompt, read_prompts, stop_ids, template_settings
+    from ..models.drafter import DFlashDrafter
+    from .prepare import encode_prompt, read_prompts, stop_ids, template_settings
 
     if threads:
         torch.set_num_threads(threads)
@@ -599,7 +599,7 @@ TAU_COUNTING = ("real tau as z-lab's benchmark counts it: per prompt the mean to
 
 
 def _data_cfg():
-    from dflash_actors.config import DataConfig
+    from ..config import DataConfig
 
     return DataConfig(max_seq_len=1 << 20)
 
@@ -635,7 +635,7 @@ def main(argv=None) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from dflash_actors.prepare import add_template_args, template_opts
+    from .prepare import add_template_args, template_opts
 
     ap = argparse.ArgumentParser(prog="python -m dflash_actors.evaluate",
                                  description="Simulated against real acceptance of a drafter on held-out prompts")

@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
-from .batching import EpochPlan, plan_for
-from .config import Config, ConfigError
-from .data import TokenDataset, open_dataset
-from .synthetic import ensure_synthetic_dataset
+from ..data.batching import EpochPlan, plan_for
+from ..config import Config, ConfigError
+from ..data.dataset import TokenDataset, open_dataset
+from ..data.synthetic import ensure_synthetic_dataset
 
 
 @dataclass(frozen=True)

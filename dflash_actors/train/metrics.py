@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .models.loss import BlockStats
+from ..models.loss import BlockStats
 
 STEP_COLS = ("loss", "tau", "lr", "grad_norm", "tokens", "time", "skipped", "done")
 

@@ -75,7 +75,7 @@ def no_stats(block_size: int):
     """A simulated batch measures nothing: zero blocks, zero loss weight (a
     ``BlockStats``; imported here because the loss module brings in transformers,
     which a simulated target must not pay for)."""
-    from .models.loss import BlockStats
+    from ..models.loss import BlockStats
     zeros = torch.zeros(block_size, dtype=torch.int64)
     return BlockStats(0, 0, zeros, zeros.clone(), 0.0, 0.0)
 

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import psutil
 
-from .console import hms
+from ..console import hms
 
 STALE_S = 10.0
 SAME_PROCESS_S = 1.0

@@ -48,8 +48,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint import first_line
-from .config import ConfigError
+from ..train.checkpoint import first_line
+from ..config import ConfigError
 
 DEFAULT_PORT = 29500
 CHUNK = 1 << 22

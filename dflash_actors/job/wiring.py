@@ -31,19 +31,19 @@ from typing import Optional
 
 import torch
 
-from .actors.drafter import Drafter, DrafterSpec
-from .actors.loader import Loader, LoaderSpec
-from .actors.optimizer import Optimizer, OptimizerSpec
-from .actors.target import Target, TargetSpec
-from .batching import ring_fields
-from .cluster import Exchange
-from .config import Config
-from .metrics import batch_table, step_table
-from .params import GradAccumulators, ParamLayout, WeightStore
+from ..actors.drafter import Drafter, DrafterSpec
+from ..actors.loader import Loader, LoaderSpec
+from ..actors.optimizer import Optimizer, OptimizerSpec
+from ..actors.target import Target, TargetSpec
+from ..data.batching import ring_fields
+from ..cluster.link import Exchange
+from ..config import Config
+from ..train.metrics import batch_table, step_table
+from ..train.params import GradAccumulators, ParamLayout, WeightStore
 from .preflight import Devices
-from .runtime.channels import RingSpec
-from .runtime.dispatch import Stage, in_order
-from .schedule import Schedule
+from ..runtime.channels import RingSpec
+from ..runtime.dispatch import Stage, in_order
+from ..train.schedule import Schedule
 
 
 class State(enum.IntEnum):

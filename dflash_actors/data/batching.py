@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .runtime.channels import FieldSpec
+from ..runtime.channels import FieldSpec
 
 
 @dataclass(frozen=True)

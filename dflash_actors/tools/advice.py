@@ -16,15 +16,15 @@ import time
 
 import torch
 
-from . import costmodel
-from .batching import Batch, BatchBuffers, assemble
-from .config import Config
-from .models.drafter import build_drafter
-from .models.loss import batch_loss, decay_gamma
-from .models.target import load_target
-from .optim import build_optimizer
-from .preflight import Preflight
-from .simulate import SimulatedCompute
+from ..train import costmodel
+from ..data.batching import Batch, BatchBuffers, assemble
+from ..config import Config
+from ..models.drafter import build_drafter
+from ..models.loss import batch_loss, decay_gamma
+from ..models.target import load_target
+from ..train.optim import build_optimizer
+from ..job.preflight import Preflight
+from ..train.simulate import SimulatedCompute
 
 PROBE_BATCHES = 3
 

@@ -49,10 +49,10 @@ from typing import Optional
 import psutil
 import torch
 
-from . import console
-from .costmodel import ModelShape, Workload, drafter_flops_per_batch, target_flops_per_batch
-from .metrics import STEP_COLS, finite, fold_step
-from .schedule import Schedule
+from .. import console
+from ..train.costmodel import ModelShape, Workload, drafter_flops_per_batch, target_flops_per_batch
+from ..train.metrics import STEP_COLS, finite, fold_step
+from ..train.schedule import Schedule
 
 RATE_WINDOW_S = 30.0
 

@@ -25,15 +25,15 @@ from pathlib import Path
 
 import torch
 
-from dflash_actors.batching import Batch, BatchBuffers, assemble
-from dflash_actors.config import ConfigError, add_config_args, config_from_args
-from dflash_actors.data import open_dataset
-from dflash_actors.models.drafter import DFlashDrafter, build_drafter
-from dflash_actors.models.loss import BlockStats, batch_loss, decay_gamma
-from dflash_actors.models.target import load_target
-from dflash_actors.optim import build_optimizer, build_scheduler, reduce_and_step
-from dflash_actors.preflight import train_path
-from dflash_actors.schedule import Plans, Schedule
+from ..data.batching import Batch, BatchBuffers, assemble
+from ..config import ConfigError, add_config_args, config_from_args
+from ..data.dataset import open_dataset
+from ..models.drafter import DFlashDrafter, build_drafter
+from ..models.loss import BlockStats, batch_loss, decay_gamma
+from ..models.target import load_target
+from ..train.optim import build_optimizer, build_scheduler, reduce_and_step
+from .preflight import train_path
+from ..train.schedule import Plans, Schedule
 
 
 def shard_gradient(drafter: DFlashDrafter, head, items, cfg) -> tuple[list[torch.Tensor], BlockStats]:
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(args)
         if args.target_text:
-            from dflash_actors.evaluate import ensure_target_text
+            from ..eval.parity import ensure_target_text
             cfg = config_from_args(args, f"data.path={ensure_target_text(cfg)}")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     result = train_reference(cfg, args.run_dir)
     summary = _summary(result) | {"data": str(train_path(cfg))}
     if args.eval:
-        from dflash_actors.evaluate import evaluate_drafter
+        from ..eval.parity import evaluate_drafter
         summary["eval"] = evaluate_drafter(cfg, result.state_dict)
     print(json.dumps(summary))
     return 0

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .runtime.boot import Deferred, boot
+from ..runtime.boot import Deferred, boot
 
 POLL_S = 0.5
 
@@ -58,7 +58,7 @@ class HeldOut:
     """The held-out texts with their target features, computed once."""
 
     def __init__(self, cfg, target, max_samples: int):
-        from dflash_actors.data import open_dataset
+        from ..data.dataset import open_dataset
 
         ds = open_dataset(cfg.data, progress=False, path=heldout_path(cfg))
         self.items = []
@@ -76,14 +76,14 @@ def heldout_path(cfg) -> Path:
     """``eval.data``, else the synthetic held-out split of the embedded default."""
     if cfg.eval.data is not None:
         return Path(cfg.eval.data)
-    from dflash_actors.synthetic import ensure_synthetic_dataset
+    from ..data.synthetic import ensure_synthetic_dataset
 
     return ensure_synthetic_dataset(cfg.data)[1]
 
 
 @torch.no_grad()
 def evaluate_version(drafter, target, heldout: HeldOut, cfg) -> dict:
-    from dflash_actors.evaluate import completion_mask, drafter_correct, real_tau, text_metrics
+    from .parity import completion_mask, drafter_correct, real_tau, text_metrics
 
     correct, valid = zip(*(drafter_correct(drafter, target, ids, completion_mask(len(ids), first), feats)
                            for ids, first, feats in heldout.items))
@@ -98,8 +98,8 @@ def evaluate_version(drafter, target, heldout: HeldOut, cfg) -> dict:
 
 def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, parent: int) -> None:
     """The process body (see the module contract)."""
-    from dflash_actors.models.drafter import build_drafter
-    from dflash_actors.models.target import load_target
+    from ..models.drafter import build_drafter
+    from ..models.target import load_target
 
     try:
         os.nice(10)
@@ -152,7 +152,7 @@ class Evaluator:
         self.stop = self.ctx.Event()
         args = (cfg, store, str(run_dir), first_version, last_version, self.stop, os.getpid())
         self.proc = self.ctx.Process(target=boot, name="evaluator", daemon=True,
-                                     args=(os.getpid(), Deferred(args), "dflash_actors.evaluator:main"))
+                                     args=(os.getpid(), Deferred(args), "dflash_actors.eval.evaluator:main"))
 
     def start(self) -> None:
         self.proc.start()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import latest_checkpoint
-from .metrics import finite, read_steps
+from ..train.checkpoint import latest_checkpoint
+from ..train.metrics import finite, read_steps
 
 
 def _tokens(steps: list[dict]) -> int:

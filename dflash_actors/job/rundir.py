@@ -19,7 +19,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from .checkpoint import list_checkpoints
+from ..train.checkpoint import list_checkpoints
 
 LOCK_FILE = ".lock"
 SAVED_CONFIG = "config.yaml"

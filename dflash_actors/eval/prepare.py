@@ -202,8 +202,8 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from dflash_actors.models.target import resolve_target_dir
-    from dflash_actors.synthetic import flatten, write_token_dataset
+    from ..models.target import resolve_target_dir
+    from ..data.synthetic import flatten, write_token_dataset
 
     hf_logging.disable_progress_bar()
     out, prompts_path = Path(out), Path(prompts_path)
@@ -288,7 +288,7 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
 
 
 def _save_shard(path: Path, order: list[int], seqs: list[np.ndarray], masks: list[np.ndarray]) -> None:
-    from dflash_actors.synthetic import flatten
+    from ..data.synthetic import flatten
 
     offsets, flat = flatten(seqs)
     with open(path, "wb") as f:     # np.savez would append .npz to a temporary name

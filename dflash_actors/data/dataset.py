@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import console
+from .. import console
 
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .batching import EpochPlan, plan_for
+from ..data.batching import EpochPlan, plan_for
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-LAUNCH = Path(__file__).resolve().parents[1] / "launch.py"
+LAUNCH = Path(__file__).resolve().parents[2] / "launch.py"
 ENDING_KINDS = ("sigkill", "exit", "exception", "segfault", "slow", "hang")
 HANG_AFFORDABLE_S = 20.0
 """A hang costs ``hang_timeout_s`` of a stalled stage: chaos only injects one when cheap."""
@@ -41,7 +41,7 @@ HANG_AFFORDABLE_S = 20.0
 
 def chaos_faults(cfg, seed: int, n: int, total_batches: int) -> list[dict]:
     """``n`` random faults (``runtime.faults`` entries) over ``[0, total_batches)``."""
-    from .wiring import actor_classes
+    from ..job.wiring import actor_classes
     rng = random.Random(seed)
     actors = sorted(actor_classes(cfg))
     kinds = [k for k in ENDING_KINDS if k != "hang" or cfg.runtime.hang_timeout_s <= HANG_AFFORDABLE_S]

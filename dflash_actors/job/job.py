@@ -39,10 +39,12 @@ from typing import Optional
 
 import torch
 
-from . import console, report, rundir, wiring
-from .actors.optimizer import RollbackRequired
-from .batching import META_COLS
-from .checkpoint import (
+from .. import console
+from ..observe import report
+from . import rundir, wiring
+from ..actors.optimizer import RollbackRequired
+from ..data.batching import META_COLS
+from ..train.checkpoint import (
     MANIFEST,
     STATE_FILE,
     CheckpointError,
@@ -61,18 +63,18 @@ from .checkpoint import (
     trainer_state,
     verified_checkpoint,
 )
-from .cluster import Link, NodeSpec, digest
-from .config import Config, ConfigError, dump_config
-from .models.drafter import DFlashDrafter, build_drafter
-from .models.head import target_info
-from .models.target import resolve_dtype
-from .monitor import Monitor, accounting
-from .params import ParamLayout
+from ..cluster.link import Link, NodeSpec, digest
+from ..config import Config, ConfigError, dump_config
+from ..models.drafter import DFlashDrafter, build_drafter
+from ..models.head import target_info
+from ..models.target import resolve_dtype
+from ..observe.monitor import Monitor, accounting
+from ..train.params import ParamLayout
 from .preflight import preflight
-from .runtime.events import EventLog
-from .runtime.supervisor import JobResult, JobState, Supervisor, check_faults
-from .schedule import Schedule
-from .simulate import feature_width
+from ..runtime.events import EventLog
+from ..runtime.supervisor import JobResult, JobState, Supervisor, check_faults
+from ..train.schedule import Schedule
+from ..train.simulate import feature_width
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -311,7 +313,7 @@ class Job:
             self.link.serve(sh.exchange, sh.grads, sh.batch_stats, sh.weights, sched, first, sup.request_failure)
         evaluator = None
         if cfg.eval.every and first < sched.total_steps and self.node.rank == 0:
-            from .evaluator import Evaluator
+            from ..eval.evaluator import Evaluator
             evaluator = Evaluator(cfg, self.shared.weights, self.run_dir, first, sched.total_steps)
             evaluator.start()
         try:

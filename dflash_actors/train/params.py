@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .runtime.channels import page_lock
+from ..runtime.channels import page_lock
 
 
 @dataclass(frozen=True)
