@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dflash_actors.cluster.exchange import Exchange
+from dflash_actors.cluster.link import Link
+from dflash_actors.cluster.node import NodeSpec
 from dflash_actors.train import costmodel
-from dflash_actors.cluster.link import Exchange, Link, NodeSpec
 from dflash_actors.train.params import GradAccumulators, ParamLayout, WeightStore
 from dflash_actors.train.schedule import Schedule
 

@@ -31,7 +31,6 @@ from pathlib import Path
 
 from benchmarks import simulated
 from dflash_actors.train import costmodel
-from dflash_actors.tools.chaos import faults_override
 from dflash_actors.train.checkpoint import list_checkpoints
 
 GRAD_ACCUM = 4
@@ -47,7 +46,7 @@ def one(tmp: Path, mode: str, kill: bool) -> dict:
     extra = [*BIG_DRAFTER, f"runtime.grad_durability={mode}"]
     if kill:
         last = (KILL_STEP + 1) * GRAD_ACCUM - 1
-        extra.append(faults_override([{"actor": "drafter.0", "at_batch": last, "kind": "sigkill"}]))
+        extra.append(("runtime.faults", [{"actor": "drafter.0", "at_batch": last, "kind": "sigkill"}]))
     cfg = simulated.sim_config(run_dir, "1-1", epochs=1, extra=extra)
     m = simulated.run(cfg)
     spans = m.spans

@@ -20,7 +20,8 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from dflash_actors.config import load_config
-from dflash_actors.eval.parity import ensure_target_text, evaluate_drafter
+from dflash_actors.eval.prepare import ensure_target_text
+from dflash_actors.eval.tau import evaluate_drafter
 from dflash_actors.job.reference import train_reference
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,8 +33,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from benchmarks import simulated
-from dflash_actors.train import costmodel
 from dflash_actors.config import parse_topology
+from dflash_actors.train import costmodel
 
 GOAL_EFFICIENCY = 0.95
 GOAL_SPEEDUP_OF_IDEAL = 0.95

@@ -2,7 +2,7 @@
 compared bit for bit. Prints one JSON line.
 
 1. clean: ``launch.py`` undisturbed; its final weights are the oracle.
-2. external: ``python -m dflash_actors.chaos`` kills random actors with kill -9
+2. external: ``launch.py chaos`` kills random actors with kill -9
    (``KILLS``), the supervisor itself (``SUPERVISOR_KILLS``, each followed by
    ``--resume``), and SIGSTOPs then SIGCONTs one healthy actor for half of
    ``hang_timeout_s`` (it must not be restarted). ``runtime.faults`` adds a kill
@@ -59,8 +59,8 @@ def launch(run_dir: Path, *extra: str) -> tuple[int, float]:
 
 def final(run_dir: Path) -> tuple[dict, dict, list[str]]:
     """Final weights, trainer state, and what is wrong with the final checkpoint."""
-    from dflash_actors.train.checkpoint import latest_checkpoint, load_trainer_state
     from dflash_actors.models.drafter import DFlashDrafter
+    from dflash_actors.train.checkpoint import latest_checkpoint, load_trainer_state
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return {}, {}, ["no valid final checkpoint"]
@@ -114,7 +114,7 @@ def main() -> int:
     progress(f"external chaos: {KILLS} actor kills, {SUPERVISOR_KILLS} supervisor kills, {STOPS} stop/cont ...")
     ext_dir = base / "external"
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dflash_actors.tools.chaos", str(ext_dir), "--kills", str(KILLS),
+    proc = subprocess.run([sys.executable, "launch.py", "chaos", str(ext_dir), "--kills", str(KILLS),
                            "--supervisor-kills", str(SUPERVISOR_KILLS), "--stop-cont", str(STOPS),
                            "--seed", str(SEED), "--quiet", "--", *JOB, "--set",
                            "runtime.faults=" + json.dumps(MID_WRITE)],

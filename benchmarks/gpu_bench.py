@@ -591,7 +591,7 @@ def bench_tiny(logs: Path, limit_s: float, smoke: bool, out: str | None = None) 
     sets = tiny_sets(smoke)
     cmds = {"pipeline_2_2": with_sets([sys.executable, "launch.py", "--topology", "2-2", "--run-dir", str(run)],
                                       sets + devices_sets(device, 2)),
-            "reference_2_2": with_sets([sys.executable, "-m", "dflash_actors.job.reference", "--topology", "2-2",
+            "reference_2_2": with_sets([sys.executable, "launch.py", "reference", "--topology", "2-2",
                                         "--run-dir", str(ref)], sets)}
     procs = {k: subprocess.Popen(c, cwd=ROOT, stdout=open(logs / f"{k}.log", "w"), stderr=subprocess.STDOUT)
              for k, c in cmds.items()}

@@ -14,10 +14,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_actors.train import costmodel
 from dflash_actors.config import load_config
 from dflash_actors.job.job import Job
 from dflash_actors.runtime import trace
+from dflash_actors.train import costmodel
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_US_PER_TOKEN = 30.0      # about 58 ms per demo batch of ~1,930 tokens

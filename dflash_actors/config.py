@@ -10,7 +10,7 @@ Field constraints live next to the field (``metadata={"check": ...}``); rules th
 two sections together live in ``Config.__post_init__``. The checking machinery and the
 ``runtime`` section belong to the generic runtime (``runtime.config``).
 
-Every command line that trains (``launch.py``, ``python -m dflash_actors.reference``)
+Every command line that trains (``launch.py``, ``launch.py reference``)
 takes its config through ``add_config_args``/``config_from_args``, so all of them start
 from the same default file, ``configs/default.yaml``.
 """
@@ -23,11 +23,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 import yaml
 
-from .train.costmodel import SHAPES, Workload, simulated_costs
+from .console import first_line
 from .runtime.config import (
     ConfigError,
     RuntimeConfig,
@@ -198,27 +198,14 @@ class SimulateConfig:
     target_ms_per_batch: float = checked(0.0, at_least(0))
     drafter_us_per_token: float = checked(0.0, at_least(0))
     drafter_ms_per_batch: float = checked(0.0, at_least(0))
-    model: Optional[str] = None
+    model: Optional[str] = checked(None, optional(nonempty))
     """A ``costmodel.SHAPES`` name (e.g. qwen3-8b): per-token costs derived from that
-    target shape, a 5-layer drafter and ``tflops``, added to the costs above."""
+    target shape, a 5-layer drafter and ``tflops``, added to the costs above (the name
+    is checked by the preflight, ``simulate.check``)."""
     tflops: float = checked(400.0, above(0))
     """Sustained TFLOP/s assumed for ``model``."""
     feature_width: Optional[int] = checked(None, optional(at_least(1)))
     """Feature floats per token in the slots; None = what the target would produce."""
-
-    def __post_init__(self):
-        if self.model is not None:
-            if self.model not in SHAPES:
-                raise ConfigError(f"model: unknown shape {self.model!r} (known: {', '.join(sorted(SHAPES))})")
-
-    def costs_us(self) -> tuple[float, float, float, float]:
-        """(target per token, target per batch, drafter per token, drafter per batch), µs."""
-        t_tok, d_tok = self.target_us_per_token, self.drafter_us_per_token
-        if self.model is not None:
-            w = Workload()
-            t_s, d_s = simulated_costs(SHAPES[self.model], w, self.tflops)
-            t_tok, d_tok = t_tok + t_s / w.token_budget * 1e6, d_tok + d_s / w.token_budget * 1e6
-        return t_tok, self.target_ms_per_batch * 1e3, d_tok, self.drafter_ms_per_batch * 1e3
 
 
 @dataclass(frozen=True)
@@ -319,6 +306,15 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def updated(self, changes: dict[str, Any]) -> "Config":
+        """This config with ``changes`` (dotted key -> value, as data) applied, validated
+        again as a whole: how the launch derives a setting it computes (a chosen
+        topology, an adapted accumulation, injected faults) without re-reading text."""
+        raw = self.to_dict()
+        for key, value in changes.items():
+            _set_path(raw, key, value)
+        return config_from_dict(raw)
+
     def digest(self, sections: tuple[str, ...] | None = None) -> str:
         """Stable hash of the whole config or of some sections (for caches, resume)."""
         d = self.to_dict()
@@ -372,9 +368,10 @@ def config_from_dict(raw: dict | None) -> Config:
     return build(Config, raw)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (),
+def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[str, Any]] = (),
                 topology: str | None = None) -> Config:
-    """Defaults <- YAML file <- ``--topology`` <- ``--set`` overrides, validated once."""
+    """Defaults <- YAML file <- ``--topology`` <- overrides, validated once. An override
+    is ``(dotted key, value)``, or ``--set`` text (``key=value``, parsed here)."""
     raw: dict = {}
     if path is not None:
         p = Path(path)
@@ -385,7 +382,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         except UnicodeDecodeError as e:
             raise ConfigError(f"config: {p} is not UTF-8 text (byte {e.start}: {e.reason})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config: {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"config: {p} is not valid YAML ({first_line(e)})") from None
         if raw is None:
             # An empty file is more likely a failed write or the wrong file than a wish
             # for the dataclass defaults (which are not configs/default.yaml); ``{}`` says that.
@@ -396,8 +393,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         n, m = parse_topology(topology)
         _set_path(raw, "topology.num_targets", n)
         _set_path(raw, "topology.num_drafters", m)
-    for text in overrides:
-        key, value = parse_override(text)
+    for item in overrides:
+        key, value = parse_override(item) if isinstance(item, str) else item
         _set_path(raw, key, value)
     return config_from_dict(raw)
 
@@ -415,7 +412,7 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
                     help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
 
 
-def config_from_args(args: argparse.Namespace, *extra: str) -> Config:
+def config_from_args(args: argparse.Namespace, *extra: tuple[str, Any]) -> Config:
     """The config ``add_config_args`` describes, with ``extra`` overrides applied last."""
     # None: --config not given (launch.py tells that apart from the default for --resume).
     return load_config(args.config or DEFAULT_CONFIG, [*args.overrides, *extra], topology=args.topology)

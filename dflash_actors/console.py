@@ -10,6 +10,9 @@ prints nothing but errors and the summary.
 ``progress(total, desc, unit)`` is what a long phase with counts uses in either mode
 (the tqdm calls it needs: ``update``, ``close``, a context manager), ``phase(desc)``
 one without; ``say(text)`` prints one line that does not tear a live bar.
+
+``first_line(e)`` is how every error reaches a person in one line: the ``error: ...``
+of exit status 2, a skipped checkpoint's reason, a lost node's cause.
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ from tqdm import tqdm
 
 from .runtime.actor import every
 
-MODES = ("auto", "bar", "lines", "off")
 DELAY_S = 1.0       # a phase shorter than this prints nothing
 
 _mode: Optional[str] = None     # chosen by the first ``setup``, or "auto" on first use
 _every_s = 30.0
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, or its type's name when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def setup(mode: str = "auto", every_s: float = 30.0) -> str:

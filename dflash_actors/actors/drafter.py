@@ -33,15 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.batching import FEATURES, Batch, BatchMeta
 from ..config import Config
-from ..train.metrics import write_batch
+from ..data.batching import FEATURES, Batch, BatchMeta
 from ..models.drafter import build_drafter
 from ..models.head import load_head
 from ..models.loss import batch_loss, decay_gamma
-from ..train.params import GradAccumulators, WeightStore
 from ..runtime.actor import Actor
-from ..runtime.dispatch import ProtocolError
+from ..runtime.messages import ProtocolError
+from ..train.metrics import write_batch
+from ..train.params import GradAccumulators, WeightStore
 from ..train.schedule import Schedule
 from ..train.simulate import SimulatedCompute, fake_backward, no_stats, stamp_problem, wait
 

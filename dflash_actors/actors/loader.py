@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..data.batching import BatchBuffers, assemble
 from ..config import Config
+from ..data.batching import BatchBuffers, assemble
 from ..data.dataset import open_dataset
 from ..runtime.actor import Actor
 from ..train.schedule import Plans, Schedule

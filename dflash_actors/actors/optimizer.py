@@ -41,16 +41,16 @@ from typing import Optional
 
 import torch
 
-from ..train.checkpoint import save_checkpoint, trainer_state, verified_checkpoint
-from ..cluster.link import ClusterError, Exchange
+from ..cluster.exchange import ClusterError, Exchange
 from ..config import Config
-from ..train.metrics import bad_run, fold_step, write_step
 from ..models.drafter import build_drafter
 from ..models.head import target_info
+from ..runtime.actor import Actor, Escalate
+from ..runtime.messages import ProtocolError
+from ..train.checkpoint import save_checkpoint, trainer_state, verified_checkpoint
+from ..train.metrics import bad_run, fold_step, write_step
 from ..train.optim import build_optimizer, build_scheduler, reduce_and_step, restore
 from ..train.params import GradAccumulators, WeightStore
-from ..runtime.actor import Actor, Escalate
-from ..runtime.dispatch import ProtocolError
 from ..train.schedule import Schedule
 
 

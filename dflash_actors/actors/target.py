@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.batching import FEATURES, Batch, BatchMeta, copy_batch
 from ..config import Config
+from ..data.batching import FEATURES, Batch, BatchMeta, copy_batch
 from ..runtime.actor import Actor, Escalate
 from ..train.simulate import SimulatedCompute, stamp, wait
 

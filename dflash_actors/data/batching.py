@@ -7,7 +7,7 @@ all samples, cut the permutation into pools of ~``sort_pool`` batches' worth, so
 pool by length (longest first) and fill batches greedily so that
 ``n_samples * longest <= token_budget``; finally shuffle the batch order. Sorting inside
 pools keeps padding small while every epoch still mixes samples differently. A batch's
-id is its position in the plan, so any actor can resume from a batch id or take a shard.
+id is its position in the plan, so any actor can resume from a batch id.
 
 Layout
 ------
@@ -53,12 +53,6 @@ class EpochPlan:
 
     def batch(self, b: int) -> np.ndarray:
         return self.sample_ids[self.offsets[b]:self.offsets[b + 1]]
-
-    def shard(self, k: int, n: int) -> range:
-        """Batch ids of shard k of n (interleaved, so shards stay balanced in time)."""
-        if not 0 <= k < n:
-            raise ValueError(f"shard {k} of {n}")
-        return range(k, len(self), n)
 
     def stats(self, lengths: np.ndarray, token_budget: int) -> dict:
         counts = np.diff(self.offsets)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+
+from ..runtime.files import write_atomically
 
 FIRST_WORD = 2
 GRAMMAR_VERSION = 2   # part of the cache key: bump when generation changes
@@ -58,10 +58,12 @@ def write_token_dataset(path: str | Path, offsets: np.ndarray, input_ids: np.nda
     ``offsets`` [N+1] delimit samples in ``input_ids``/``loss_mask``; the directory is
     written under a temporary name and renamed, so a reader never sees half of it.
     """
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    return write_atomically(Path(path), lambda tmp: _write_dataset(tmp, offsets, input_ids, loss_mask, num_shards,
+                                                                   with_seq_len, rows_per_batch))
+
+
+def _write_dataset(tmp: Path, offsets, input_ids, loss_mask, num_shards, with_seq_len, rows_per_batch) -> None:
+    tmp.mkdir()
     n = len(offsets) - 1
     bounds = np.linspace(0, n, num_shards + 1).astype(np.int64)
     files = []
@@ -89,10 +91,6 @@ def write_token_dataset(path: str | Path, offsets: np.ndarray, input_ids: np.nda
         "_data_files": files, "_fingerprint": "dflash-synthetic", "_format_columns": None,
         "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}))
     (tmp / "dataset_info.json").write_text(json.dumps({"description": "dflash-actors token dataset"}))
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path
 
 
 def flatten(samples: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -126,3 +124,8 @@ def ensure_synthetic_dataset(data_cfg) -> tuple[Path, Path]:
         offsets, flat_ids = flatten(ids)
         write_token_dataset(split, offsets, flat_ids, flatten(masks)[1])
     return train, heldout
+
+
+def train_path(cfg) -> Path:
+    """The training dataset of a config: ``data.path``, or the synthetic default, made once."""
+    return Path(cfg.data.path) if cfg.data.path is not None else ensure_synthetic_dataset(cfg.data)[0]

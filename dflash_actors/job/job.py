@@ -1,12 +1,12 @@
 """The training job: loader -> target.0..N-1 -> drafter.0..M-1 -> optimizer, supervised.
 
-``Job(cfg).run()`` is what ``launch.py`` calls. In the parent, before anything is
-spawned, the constructor checks the input (the run directory is usable, ``preflight``:
-devices, dataset structure and token range, epoch plans; bad input raises and nothing
-is written to the run directory), builds the tiny target if the config asks for it
-(once, not by N racing actors), then takes the run directory's lock (``rundir``: one
-job per directory, held until ``run`` returns) and loads the starting point (version
-0, or the newest checkpoint that verifies).
+``Job(cfg, pre=...).run()`` is what ``launch.py`` calls. In the parent, before
+anything is spawned, the constructor takes the checked input (``preflight``: the run
+directory, devices, dataset structure and token range, the target's shape, with the
+tiny default built once rather than by N racing actors, and the schedule; bad input
+raises and nothing is written to the run directory), then takes the run directory's
+lock (``rundir``: one job per directory, held until ``run`` returns) and loads the
+starting point (version 0, or the newest checkpoint that verifies).
 
 ``run`` then makes attempts until one ends for a reason other than a rollback: an
 attempt allocates the shared state (``wiring.JobShared``), fills it with the starting
@@ -40,10 +40,20 @@ from typing import Optional
 import torch
 
 from .. import console
-from ..observe import report
-from . import rundir, wiring
 from ..actors.optimizer import RollbackRequired
+from ..cluster.link import Link, digest
+from ..cluster.node import NodeSpec
+from ..config import Config, ConfigError, dump_config
+from ..console import first_line
 from ..data.batching import META_COLS
+from ..models.drafter import DFlashDrafter, build_drafter
+from ..models.target import resolve_dtype
+from ..observe import report
+from ..observe.monitor import Monitor, accounting
+from ..observe.status import JobStatus
+from ..runtime.channels import dtype_name
+from ..runtime.events import EventLog
+from ..runtime.supervisor import JobResult, JobState, Supervisor
 from ..train.checkpoint import (
     MANIFEST,
     STATE_FILE,
@@ -51,7 +61,6 @@ from ..train.checkpoint import (
     ResumeError,
     check_resumable,
     drafter_change,
-    first_line,
     has_manifest,
     latest_checkpoint,
     list_checkpoints,
@@ -63,20 +72,10 @@ from ..train.checkpoint import (
     trainer_state,
     verified_checkpoint,
 )
-from ..cluster.link import Link, NodeSpec, digest
-from ..config import Config, ConfigError, dump_config
-from ..models.drafter import DFlashDrafter, build_drafter
-from ..models.head import target_info
-from ..models.target import resolve_dtype
-from ..observe.monitor import Monitor, accounting
 from ..train.params import ParamLayout
-from .preflight import preflight
-from ..runtime.events import EventLog
-from ..runtime.supervisor import JobResult, JobState, Supervisor, check_faults
-from ..train.schedule import Schedule
 from ..train.simulate import feature_width
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from . import rundir, wiring
+from .preflight import Preflight, preflight
 
 
 @dataclass
@@ -166,7 +165,10 @@ class Job:
     is valid, and then only the lock file (a refused resume leaves just that); ``run``
     does the rest and releases the lock."""
 
-    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True, node: Optional[NodeSpec] = None):
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True, node: Optional[NodeSpec] = None,
+                 pre: Optional[Preflight] = None):
+        """``pre``: the preflight of ``cfg`` for this node, when the caller made it
+        (``launch.py`` does); None: made here."""
         self.t0 = time.perf_counter()
         self.cfg, self.run_dir, self.progress = cfg, Path(cfg.runtime.run_dir), progress
         self.node = node = node or NodeSpec()
@@ -175,18 +177,9 @@ class Job:
         if cfg.topology.nodes != node.nodes:
             raise ConfigError(f"topology.nodes: {cfg.topology.nodes}, but this launch is {node.describe()}; "
                               "launch.py sets it from --nnodes or the torchrun/SLURM environment")
-        rundir.check(self.run_dir)
-        check_faults(cfg.runtime.faults, wiring.actor_classes(cfg))
-        self.pre = preflight(cfg, progress=progress)     # data first: it fails fastest
+        self.pre = pre or preflight(cfg, node.rank, progress)
+        self.target, self.schedule = self.pre.target, self.pre.schedule
         bulk = bulk_device(cfg, self.pre.devices.drafters[0]) if node.nodes > 1 else None
-        with console.phase("read the target's config (the tiny default is built once)", progress):
-            self.target = target_info(cfg, "cpu")
-        self.pre.dataset.check_values(self.target.vocab_size, progress=progress)
-        with console.phase("plan every epoch", progress):
-            self.schedule = schedule = Schedule.from_config(cfg, self.pre.dataset.lengths, node=node.rank)
-        if schedule.total_steps == 0:
-            raise ConfigError(f"train.grad_accum: no optimizer step fits an epoch ({len(self.pre.plan0)} "
-                              f"batches; a step needs grad_accum * drafters = {schedule.per_step})")
         with console.phase("build drafter", progress):
             model = build_drafter(cfg, self.target)      # checks drafter.init_from
         # The input is valid: from here on the directory is this job's. Checkpoints are
@@ -299,14 +292,14 @@ class Job:
     def _attempt(self) -> JobResult:
         """One supervisor run over this attempt's shared state."""
         cfg, sched, first = self.cfg, self.schedule, self.start.version
-        feature_dtype = DTYPE_NAMES[resolve_dtype(cfg.target.dtype, torch.device(self.pre.devices.targets[0]))]
+        feature_dtype = dtype_name(resolve_dtype(cfg.target.dtype, torch.device(self.pre.devices.targets[0])))
         width = feature_width(cfg, self.target)
         stages = wiring.stages(cfg, sched, self.pre.devices, self.shared, self.pre.train_path, first)
         monitor = Monitor(cfg, sched, self.shared, first, self.progress)
         rings = wiring.rings(cfg, width, feature_dtype, self.pre.devices.features)
         sup = Supervisor(cfg.runtime, stages, rings, sched.total_batches,
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
-                         num_threads=cfg.train.num_threads, on_status=self._on_status(monitor))
+                         num_threads=cfg.train.num_threads, on_status=JobStatus(monitor, self.link))
         monitor.watch(sup.work_times, stages)
         if self.link is not None:
             sh = self.shared
@@ -325,16 +318,6 @@ class Job:
             self.accounts = self._accounting(monitor, first)
             if evaluator is not None:
                 evaluator.finish(cfg.runtime.hang_timeout_s)
-
-    def _on_status(self, monitor: Monitor):
-        if self.link is None:
-            return monitor
-        link = self.link
-
-        def on_status(status: dict) -> None:
-            monitor(status)
-            status["cluster"] = link.status()
-        return on_status
 
     def _accounting(self, monitor: Monitor, first: int) -> dict:
         devices = {"target": self.pre.devices.targets[0], "drafter": self.pre.devices.drafters[0]}

@@ -1,107 +1,91 @@
-"""Everything the supervisor checks before it spawns anything.
+"""Everything checked before anything spawns, computed once and handed on.
 
 Bad input must fail here, in the parent, with one line and nothing written to the run
-directory: config (already validated on load), devices, dataset structure, that the
-dataset has an anchor to train on, token range, and the epoch plan. Each step that can
-take over a second shows progress.
+directory. Cheapest first: the run directory can be written; the config's references
+(a simulated shape, held-out data, the evaluator's device); the dataset's structure,
+and that it has an anchor to train on; then, once the topology is known, the injected
+faults against the actors, the devices, the target's shape (the tiny default is built
+here, once), the token range against its vocabulary, and every epoch's plan. Each step
+that can take over a second shows progress.
+
+The result, ``Preflight``, is what the job and every ``launch.py`` option build on, so
+nothing opens the dataset or plans an epoch twice. It comes in two steps because
+``--topology auto`` must see the data (``check_data``: the first epoch's plan) before
+it can choose the topology that devices and the schedule depend on (``preflight``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable
+from typing import Optional
 
 import torch
 
-from ..data.batching import EpochPlan, plan_for
+from .. import console
 from ..config import Config, ConfigError
+from ..data.batching import EpochPlan, plan_for
 from ..data.dataset import TokenDataset, open_dataset
-from ..data.synthetic import ensure_synthetic_dataset
+from ..data.synthetic import train_path
+from ..models.head import TargetInfo, target_info
+from ..runtime.supervisor import check_faults
+from ..train import simulate
+from ..train.schedule import Schedule
+from . import rundir
+from .wiring import Devices, actor_classes, feature_device, resolve_devices
 
 
 @dataclass(frozen=True)
-class Devices:
-    targets: tuple[str, ...]
-    drafters: tuple[str, ...]
-    features: str = "cpu"
-    """Where the feature ring lives (``feature_device``)."""
+class DataCheck:
+    """The training data, opened and checked, with its first epoch planned."""
 
-
-def feature_device(transport: str, targets: tuple[str, ...], drafters: tuple[str, ...],
-                   peer: Callable[[int, int], bool] | None = None) -> str:
-    """The feature ring's device for ``runtime.feature_transport``: the first drafter's
-    GPU, or cpu. Each target writes and each drafter reads that device's memory, so
-    every one of them must be on a GPU that reaches it: the same one, or a peer
-    (``peer(a, b)``: can device a access device b, as ``torch.cuda.can_device_access_peer``)."""
-    if transport == "host":
-        return "cpu"
-    on_cpu = [d for d in (*targets, *drafters) if not d.startswith("cuda:")]
-    ring = drafters[0]
-    if not on_cpu:
-        peer = peer or torch.cuda.can_device_access_peer
-        k = int(ring[5:])
-        far = sorted({d for d in (*targets, *drafters) if int(d[5:]) != k and not peer(int(d[5:]), k)})
-    else:
-        far = []
-    if transport == "auto":
-        return "cpu" if on_cpu or far else ring
-    if on_cpu:
-        raise ConfigError(f"runtime.feature_transport: cuda needs every target and drafter on a GPU, but "
-                          f"{', '.join(sorted(set(on_cpu)))} is in the topology (targets {list(targets)}, "
-                          f"drafters {list(drafters)}); use host or auto")
-    if far:
-        raise ConfigError(f"runtime.feature_transport: cuda puts the feature ring on {ring}, which "
-                          f"{', '.join(far)} cannot reach peer to peer; use host or auto")
-    return ring
-
-
-def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:
-    """Default placement: cuda:0..N-1 for targets then cuda:N..N+M-1 for drafters when
-    that many GPUs exist, else cpu everywhere. Explicit cuda:K beyond the count is an error."""
-    top = cfg.topology
-    n, m = top.num_targets, top.num_drafters
-    if cuda_count is None:
-        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if top.target_devices is None and top.drafter_devices is None:
-        if cuda_count >= n + m:
-            return Devices(tuple(f"cuda:{i}" for i in range(n)), tuple(f"cuda:{n + j}" for j in range(m)))
-        return Devices(("cpu",) * n, ("cpu",) * m)
-    targets = top.target_devices or ("cpu",) * n
-    drafters = top.drafter_devices or ("cpu",) * m
-    for name, devs in (("topology.target_devices", targets), ("topology.drafter_devices", drafters)):
-        for d in devs:
-            if d.startswith("cuda:") and int(d[5:]) >= cuda_count:
-                raise ConfigError(f"{name}: {d} requested but this machine has {cuda_count} CUDA device(s)")
-    return Devices(tuple(targets), tuple(drafters))
-
-
-def train_path(cfg: Config) -> Path:
-    """``data.path``, or the synthetic default, generated once into the cache."""
-    return Path(cfg.data.path) if cfg.data.path is not None else ensure_synthetic_dataset(cfg.data)[0]
-
-
-@dataclass
-class Preflight:
-    devices: Devices
     train_path: Path
     dataset: TokenDataset
     plan0: EpochPlan
 
 
-def preflight(cfg: Config, progress: bool = True) -> Preflight:
-    """Devices, dataset structure (and that it has something to learn) and the first
-    epoch's plan. Token ids are checked against the vocabulary by the caller once it
-    knows the target (``TokenDataset.check_values``)."""
-    devices = resolve_devices(cfg)
-    devices = replace(devices, features=feature_device(cfg.runtime.feature_transport, devices.targets,
-                                                       devices.drafters))
-    train = train_path(cfg)
+@dataclass(frozen=True)
+class Preflight(DataCheck):
+    """What a run of one config builds on: its data, devices, target and schedule."""
+
+    devices: Devices
+    target: TargetInfo
+    """The target's shape, from its config alone (no weights)."""
+    schedule: Schedule
+    """This node's batch schedule over every epoch."""
+
+
+def check_data(cfg: Config, progress: bool = True) -> DataCheck:
+    """The checks that do not depend on the topology, and the first epoch's plan."""
+    rundir.check(cfg.runtime.run_dir)
+    simulate.check(cfg)
     if cfg.eval.every and cfg.eval.data is not None:
         open_dataset(cfg.data, progress=False, path=cfg.eval.data)     # bad held-out data: exit 2 now
     if cfg.eval.every and cfg.eval.device.startswith("cuda") and int(cfg.eval.device[5:]) >= torch.cuda.device_count():
         raise ConfigError(f"eval.device: {cfg.eval.device} but {torch.cuda.device_count()} CUDA devices exist")
-    ds = open_dataset(cfg.data, progress=progress, path=train)
+    path = train_path(cfg)
+    ds = open_dataset(cfg.data, progress=progress, path=path)
     ds.check_trainable()
-    plan0 = plan_for(cfg, ds.lengths, 0)
-    return Preflight(devices, train, ds, plan0)
+    return DataCheck(path, ds, plan_for(cfg, ds.lengths, 0))
+
+
+def preflight(cfg: Config, node: int = 0, progress: bool = True, data: Optional[DataCheck] = None) -> Preflight:
+    """Every check of ``cfg`` for node ``node`` (module docstring); ``data``: its
+    ``check_data``, when the caller has it already (of this config, or of one that
+    differs only in topology)."""
+    data = data or check_data(cfg, progress)
+    check_faults(cfg.runtime.faults, actor_classes(cfg))
+    devices = resolve_devices(cfg)
+    devices = Devices(devices.targets, devices.drafters,
+                      feature_device(cfg.runtime.feature_transport, devices.targets, devices.drafters))
+    with console.phase("read the target's config (the tiny default is built once)", progress):
+        target = target_info(cfg, "cpu")
+    data.dataset.check_values(target.vocab_size, progress=progress)
+    with console.phase("plan every epoch", progress):
+        sizes = [len(data.plan0)] + [len(plan_for(cfg, data.dataset.lengths, e)) for e in range(1, cfg.train.epochs)]
+        schedule = Schedule.from_epoch_sizes(cfg, sizes, node)
+    if schedule.total_steps == 0:
+        raise ConfigError(f"train.grad_accum: no optimizer step fits an epoch ({len(data.plan0)} "
+                          f"batches; a step needs grad_accum * drafters = {schedule.per_step})")
+    return Preflight(**{f.name: getattr(data, f.name) for f in fields(DataCheck)}, devices=devices, target=target,
+                     schedule=schedule)

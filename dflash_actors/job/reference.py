@@ -25,14 +25,16 @@ from pathlib import Path
 
 import torch
 
-from ..data.batching import Batch, BatchBuffers, assemble
 from ..config import ConfigError, add_config_args, config_from_args
+from ..data.batching import Batch, BatchBuffers, assemble
 from ..data.dataset import open_dataset
+from ..data.synthetic import train_path
+from ..eval.prepare import ensure_target_text
+from ..eval.tau import evaluate_drafter
 from ..models.drafter import DFlashDrafter, build_drafter
 from ..models.loss import BlockStats, batch_loss, decay_gamma
 from ..models.target import load_target
 from ..train.optim import build_optimizer, build_scheduler, reduce_and_step
-from .preflight import train_path
 from ..train.schedule import Plans, Schedule
 
 
@@ -130,7 +132,7 @@ def _summary(r: ReferenceResult) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_actors.reference",
+    ap = argparse.ArgumentParser(prog="launch.py reference",
                                  description="Train a drafter in one process, in the actor pipeline's exact order.")
     add_config_args(ap)
     ap.add_argument("--run-dir", default=None, help="where to save the drafter and reference.json")
@@ -141,15 +143,13 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(args)
         if args.target_text:
-            from ..eval.parity import ensure_target_text
-            cfg = config_from_args(args, f"data.path={ensure_target_text(cfg)}")
+            cfg = cfg.updated({"data.path": str(ensure_target_text(cfg))})
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     result = train_reference(cfg, args.run_dir)
     summary = _summary(result) | {"data": str(train_path(cfg))}
     if args.eval:
-        from ..eval.parity import evaluate_drafter
         summary["eval"] = evaluate_drafter(cfg, result.state_dict)
     print(json.dumps(summary))
     return 0

@@ -20,6 +20,10 @@ once every batch below ``Schedule.first_of_step(s+1)`` is committed.
 benchmarks: the loader starts a step only once the previous one is committed, and the
 targets and the drafters each start only once the whole step has reached them
 (``Stage.gather``). The math is the same; only the overlap goes.
+
+Placement (``resolve_devices``, ``feature_device``): targets on cuda:0..N-1 and drafters
+on cuda:N..N+M-1 when that many GPUs exist, else the CPU; the feature ring on the
+first drafter's GPU when every actor can reach it (``runtime.feature_transport``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -35,14 +39,13 @@ from ..actors.drafter import Drafter, DrafterSpec
 from ..actors.loader import Loader, LoaderSpec
 from ..actors.optimizer import Optimizer, OptimizerSpec
 from ..actors.target import Target, TargetSpec
+from ..cluster.exchange import Exchange
+from ..config import Config, ConfigError
 from ..data.batching import ring_fields
-from ..cluster.link import Exchange
-from ..config import Config
-from ..train.metrics import batch_table, step_table
-from ..train.params import GradAccumulators, ParamLayout, WeightStore
-from .preflight import Devices
 from ..runtime.channels import RingSpec
 from ..runtime.dispatch import Stage, in_order
+from ..train.metrics import batch_table, step_table
+from ..train.params import GradAccumulators, ParamLayout, WeightStore
 from ..train.schedule import Schedule
 
 
@@ -74,6 +77,62 @@ class JobShared:
             exchange = Exchange.allocate(layout.numel, schedule.batches_per_step, stats.shape[1])
         return cls(WeightStore.allocate(layout), GradAccumulators.allocate(layout, cfg.topology.num_drafters),
                    stats, step_table(schedule.total_steps), exchange)
+
+
+@dataclass(frozen=True)
+class Devices:
+    targets: tuple[str, ...]
+    drafters: tuple[str, ...]
+    features: str = "cpu"
+    """Where the feature ring lives (``feature_device``)."""
+
+
+def feature_device(transport: str, targets: tuple[str, ...], drafters: tuple[str, ...],
+                   peer: Callable[[int, int], bool] | None = None) -> str:
+    """The feature ring's device for ``runtime.feature_transport``: the first drafter's
+    GPU, or cpu. Each target writes and each drafter reads that device's memory, so
+    every one of them must be on a GPU that reaches it: the same one, or a peer
+    (``peer(a, b)``: can device a access device b, as ``torch.cuda.can_device_access_peer``)."""
+    if transport == "host":
+        return "cpu"
+    on_cpu = [d for d in (*targets, *drafters) if not d.startswith("cuda:")]
+    ring = drafters[0]
+    if not on_cpu:
+        peer = peer or torch.cuda.can_device_access_peer
+        k = int(ring[5:])
+        far = sorted({d for d in (*targets, *drafters) if int(d[5:]) != k and not peer(int(d[5:]), k)})
+    else:
+        far = []
+    if transport == "auto":
+        return "cpu" if on_cpu or far else ring
+    if on_cpu:
+        raise ConfigError(f"runtime.feature_transport: cuda needs every target and drafter on a GPU, but "
+                          f"{', '.join(sorted(set(on_cpu)))} is in the topology (targets {list(targets)}, "
+                          f"drafters {list(drafters)}); use host or auto")
+    if far:
+        raise ConfigError(f"runtime.feature_transport: cuda puts the feature ring on {ring}, which "
+                          f"{', '.join(far)} cannot reach peer to peer; use host or auto")
+    return ring
+
+
+def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:
+    """Default placement: cuda:0..N-1 for targets then cuda:N..N+M-1 for drafters when
+    that many GPUs exist, else cpu everywhere. Explicit cuda:K beyond the count is an error."""
+    top = cfg.topology
+    n, m = top.num_targets, top.num_drafters
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if top.target_devices is None and top.drafter_devices is None:
+        if cuda_count >= n + m:
+            return Devices(tuple(f"cuda:{i}" for i in range(n)), tuple(f"cuda:{n + j}" for j in range(m)))
+        return Devices(("cpu",) * n, ("cpu",) * m)
+    targets = top.target_devices or ("cpu",) * n
+    drafters = top.drafter_devices or ("cpu",) * m
+    for name, devs in (("topology.target_devices", targets), ("topology.drafter_devices", drafters)):
+        for d in devs:
+            if d.startswith("cuda:") and int(d[5:]) >= cuda_count:
+                raise ConfigError(f"{name}: {d} requested but this machine has {cuda_count} CUDA device(s)")
+    return Devices(tuple(targets), tuple(drafters))
 
 
 def rings(cfg: Config, feature_width: int, feature_dtype: str, feature_device: str = "cpu") -> list[RingSpec]:

@@ -24,6 +24,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from .target import ensure_target, is_hf_dir
+
 WEIGHTS = "model.safetensors"
 # Saved as ``dflash.py`` beside the weights: config.json's ``auto_map`` names it.
 HF_MODELING = Path(__file__).with_name("hf_dflash.py")
@@ -197,7 +199,7 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> "DFlashDrafter":
         path = Path(path)
-        if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
+        if not is_drafter_dir(path):
             raise ValueError(f"{path}: not a drafter directory (needs config.json and {WEIGHTS})")
         conf = path / "config.json"
         try:
@@ -263,9 +265,12 @@ def choose_mask_token(tokenizer, embedding_rows: int) -> tuple[int, str]:
     return i, f"special token {name!r}, outside the chat template"
 
 
-def _default_mask_token(cfg, target) -> tuple[int, str]:
-    from .target import ensure_target
+def is_drafter_dir(path: Path) -> bool:
+    """An HF directory with a drafter's weights (what ``save_pretrained`` writes)."""
+    return is_hf_dir(path) and (Path(path) / WEIGHTS).is_file()
 
+
+def _default_mask_token(cfg, target) -> tuple[int, str]:
     path = ensure_target(cfg)
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
         return target.vocab_size - 1, "last embedding row (the target has no tokenizer)"

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from ..console import first_line
 from .target import build_target_layer_ids, ensure_target, is_hf_dir, load_target, resolve_dtype
 
 EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
@@ -79,7 +80,7 @@ def target_config(path: Path):
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"target.path: no loadable model config in {path} ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"target.path: no loadable model config in {path} ({first_line(e)})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"target.path: {path} holds a {config.model_type!r} model, not a causal LM")
     return config
@@ -90,7 +91,7 @@ def target_info(cfg, device: str | torch.device = "cpu") -> TargetInfo:
     build drafters but never run the target). GGUF targets have no config.json: their
     shape comes from loading the head."""
     path = ensure_target(cfg)
-    if is_hf_dir(cfg, path):
+    if is_hf_dir(path):
         config = target_config(path)
         return TargetInfo(config, config.vocab_size, layer_ids_for(cfg, config), torch.device(device))
     return load_head(cfg, device)
@@ -101,7 +102,7 @@ def load_head(cfg, device: str | torch.device = "cpu") -> TargetHead:
     device = torch.device(device)
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
-    if is_hf_dir(cfg, path):
+    if is_hf_dir(path):
         config = target_config(path)
         found = _find_tensors(path, EMBED_KEYS + HEAD_KEYS)
         embed_key = next((k for k in EMBED_KEYS if k in found), None)

@@ -1,7 +1,7 @@
 """The frozen target LM: hidden states of a few layers for the drafter, nothing more.
 
 Any HF causal LM loads (a local directory, a GGUF file in one, or the tiny synthetic
-Qwen3 that ``ensure_target`` builds). ``TargetModel.features`` returns the selected
+Qwen3 of the demo, ``tiny``). ``TargetModel.features`` returns the selected
 layers' outputs for a packed batch, concatenated and packed again ``[T, k*H]``.
 
 Why it is built this way:
@@ -23,16 +23,16 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
+
+from ..console import first_line
+from ..runtime.files import write_atomically
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -179,10 +179,20 @@ def _package_dir(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def is_hf_dir(cfg, path: Path) -> bool:
-    """Whether ``path`` is a plain HF directory (``config.json`` + weights). ``ensure_target``
-    converts GGUF targets into one, so this is false only for a broken directory."""
-    return (path / "config.json").is_file()
+def is_hf_dir(path: Path) -> bool:
+    """Whether ``path`` is a plain HF model directory (it has a ``config.json``): what
+    ``from_pretrained`` loads without a ``gguf_file``, and what a cache holds once built."""
+    return (Path(path) / "config.json").is_file()
+
+
+def ensure_target(cfg) -> Path:
+    """Path of the target directory: ``target.path`` (GGUF converted once, see
+    ``resolve_target_dir``), or the tiny demo target, built once and cached (``tiny``)."""
+    if cfg.target.path is not None:
+        return resolve_target_dir(cfg.target.path, cfg.target.gguf_file, cfg.data.cache_dir)
+    from .tiny import ensure_tiny_target
+
+    return ensure_tiny_target(cfg)
 
 
 def load_target(cfg, device: str | torch.device = "cpu",
@@ -201,7 +211,7 @@ def load_target(cfg, device: str | torch.device = "cpu",
         with weight_progress(progress):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
-        raise ValueError(f"target.path: cannot load a causal LM from {path} ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"target.path: cannot load a causal LM from {path} ({first_line(e)})") from None
     model.to(device)
     n = int(model.config.num_hidden_layers)
     ids = list(cfg.drafter.target_layer_ids or build_target_layer_ids(n, cfg.drafter.num_layers))
@@ -250,7 +260,7 @@ def resolve_target_dir(path: str, gguf_file: str | None = None, cache_dir: str |
     if not p.exists():
         raise ValueError(f"target.path: not found: {p}")
     if gguf_file is None:
-        if (p / "config.json").is_file() or not p.is_dir():
+        if is_hf_dir(p) or not p.is_dir():
             return p
         ggufs = sorted(p.glob("*.gguf"))
         if not ggufs:
@@ -265,7 +275,7 @@ def resolve_target_dir(path: str, gguf_file: str | None = None, cache_dir: str |
     st = src.stat()
     key = json.dumps([str(src.resolve()), st.st_size, st.st_mtime_ns, transformers_version()])
     out = Path(cache_dir) / f"{src.stem}-hf-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if (out / "config.json").is_file():
+    if is_hf_dir(out):
         return out
     from transformers import AutoTokenizer
 
@@ -273,108 +283,17 @@ def resolve_target_dir(path: str, gguf_file: str | None = None, cache_dir: str |
         model = AutoModelForCausalLM.from_pretrained(p, gguf_file=gguf_file, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(p, gguf_file=gguf_file)
     except (OSError, ValueError, ImportError) as e:
-        raise ValueError(f"target.gguf_file: cannot load {src} ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"target.gguf_file: cannot load {src} ({first_line(e)})") from None
     # The dequantized weights are plain tensors now; a config that still names the
     # quantizer would make from_pretrained try to quantize them again.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    _publish(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
-    return out
+    return write_atomically(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)),
+                            keep_existing=True)
 
 
 def transformers_version() -> str:
     import transformers
 
     return transformers.__version__
-
-
-def _publish(out: Path, write: Callable[[Path], object]) -> None:
-    """Write a directory under a temporary name and rename it into place, so concurrent
-    builders never expose a partial one; the loser discards its copy."""
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    write(tmp)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        if not (out / "config.json").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------
-# the tiny synthetic target
-
-
-def tiny_target_config(cfg) -> Qwen3Config:
-    t, syn = cfg.target.tiny, cfg.data.synthetic
-    return Qwen3Config(
-        vocab_size=syn.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads,
-        num_key_value_heads=t.num_kv_heads, head_dim=t.hidden_size // t.num_heads,
-        max_position_embeddings=max(4096, cfg.data.max_seq_len + 64), tie_word_embeddings=False)
-
-
-def ensure_target(cfg) -> Path:
-    """Path of the target directory: ``target.path``, or the tiny one built once and cached.
-
-    The tiny target is a random Qwen3 (seeded) fitted for ``target.tiny.pretrain_steps``
-    steps to the synthetic train split, so that its greedy text follows the grammar
-    instead of repeating a token.
-    """
-    if cfg.target.path is not None:
-        return resolve_target_dir(cfg.target.path, cfg.target.gguf_file, cfg.data.cache_dir)
-    from ..data.synthetic import ensure_synthetic_dataset
-
-    train_dir, _ = ensure_synthetic_dataset(cfg.data)
-    # The data directory's name is the hash of the grammar and its recipe: a new grammar
-    # means a new target.
-    key = json.dumps([cfg.to_dict()["target"]["tiny"], train_dir.parent.name,
-                      cfg.data.max_seq_len, _TINY_RECIPE], sort_keys=True)
-    out = Path(cfg.data.cache_dir) / f"tiny-target-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if (out / "config.json").is_file():
-        return out
-    model = _pretrain_tiny(cfg, train_dir)
-    _publish(out, model.save_pretrained)
-    return out
-
-
-# Bump when the fitting procedure changes, so cached targets are rebuilt.
-_TINY_RECIPE = {"version": 1, "lr": 3e-3, "seed": 0x7A46E7}
-
-
-def _pretrain_tiny(cfg, train_dir: Path) -> Qwen3ForCausalLM:
-    from ..data.dataset import open_dataset
-
-    ds = open_dataset(cfg.data, progress=False, path=train_dir)
-    seed, lr, bs = _TINY_RECIPE["seed"], _TINY_RECIPE["lr"], cfg.target.tiny.pretrain_batch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.train.num_threads)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = Qwen3ForCausalLM(tiny_target_config(cfg))
-        model.config.architectures = ["Qwen3ForCausalLM"]
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        steps = cfg.target.tiny.pretrain_steps
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / max(1, steps))
-        rng = np.random.default_rng([seed])
-        model.train()
-        for _ in range(steps):
-            ids = [ds.sample(int(i))[0] for i in rng.integers(0, len(ds), bs)]
-            top = max(len(x) for x in ids)
-            x = torch.zeros(bs, top, dtype=torch.long)
-            labels = torch.full((bs, top), -100, dtype=torch.long)
-            for r, s in enumerate(ids):
-                x[r, :len(s)] = torch.from_numpy(s)
-                labels[r, :len(s)] = torch.from_numpy(s)
-            loss = model(input_ids=x, labels=labels, use_cache=False).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-        return model.eval()
-    finally:
-        torch.set_num_threads(threads)

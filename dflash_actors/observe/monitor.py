@@ -63,7 +63,8 @@ PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 
 
 
 class Monitor:
-    """The job's ``on_status`` hook for one supervisor run (see the module docstring)."""
+    """What the job records and shows while one supervisor runs (module docstring);
+    ``update`` is called with each status, through ``status.JobStatus``."""
 
     def __init__(self, cfg, schedule: Schedule, shared, first_step: int, enabled: bool):
         self.cfg, self.schedule, self.shared = cfg, schedule, shared
@@ -83,6 +84,7 @@ class Monitor:
         self.stuck: dict[str, Optional[str]] = {}
         self.ready_said = False
         self.training: Optional[dict] = None    # the newest training block, while shown
+        self.block: Optional[dict] = None       # the newest training block
         self.shown = -1                         # the step of the last progress line
         self.tb = None
         self.fd = None
@@ -101,16 +103,19 @@ class Monitor:
 
     # -- the hook ---------------------------------------------------------------
 
-    def __call__(self, status: dict) -> None:
+    def update(self, status: dict) -> Optional[dict]:
+        """Record and show what ``status`` (the supervisor's, as about to be written)
+        says; returns its ``training`` block (the last good one after a failure)."""
         try:
-            self._update(status)
+            self.block = self._update(status)
         except Exception as e:  # noqa: BLE001 - a reporting bug must not stop the training
             if not self.failed:
                 self.failed = True
                 print(f"warning: monitor: {type(e).__name__}: {e}; metrics.jsonl may lack lines from here",
                       file=sys.stderr, flush=True)
+        return self.block
 
-    def _update(self, status: dict) -> None:
+    def _update(self, status: dict) -> dict:
         now = time.time()
         if self.t_train is None and all(st.get("phase") is None and st["pid"] for st in status["actors"].values()):
             # Rates count from here: the start-up before it is not training speed.
@@ -118,13 +123,13 @@ class Monitor:
         lines = [self._step_line(s) for s in self._new_steps()]
         step = self.shared.weights.version
         training = self._training(status, step, now)
-        status["training"] = training
         if now - (self.last_sample[0] if self.last_sample else 0.0) >= self.cfg.monitor.resources_every_s:
             lines.append(self._resources(status, now, step))
         self._append(lines)
         self._tensorboard([x for x in lines if x["kind"] == "step"])
         if self.enabled:
             self._show(status, training, now)
+        return training
 
     def _new_steps(self) -> list[int]:
         table, done = self.shared.step_stats, STEP_COLS.index("done")

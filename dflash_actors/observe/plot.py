@@ -1,4 +1,4 @@
-"""One picture of a run: ``python -m dflash_actors.plot RUN_DIR [-o OUT.png]``.
+"""One picture of a run: ``python launch.py plot RUN_DIR [-o OUT.png]``.
 
 Reads ``<RUN_DIR>/metrics.jsonl`` and writes a grid of panels (default
 ``<RUN_DIR>/plot.png``): loss, tau (training, with eval markers), per-slot accuracy,
@@ -149,7 +149,7 @@ def draw(data: dict[str, list[dict]], out: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_actors.plot", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="launch.py plot", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("-o", "--out", type=Path, help="PNG to write (default: RUN_DIR/plot.png)")
     args = p.parse_args(argv)

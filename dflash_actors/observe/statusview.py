@@ -1,8 +1,7 @@
 """``python launch.py status RUN_DIR [--watch [SECONDS]]``: how a training job is doing.
 
-Reads ``<RUN_DIR>/status.json``, which the job's supervisor rewrites atomically about
-once a second while it runs and a last time when it ends, and prints one verdict line
-and then a table. The exit status is for scripts:
+Reads ``<RUN_DIR>/status.json`` (``status``: who writes it, and its schema) and prints
+one verdict line and then a table. The exit status is for scripts:
 
     0  running and healthy
     1  running but stuck or stopping: state "stopping" (followed by the file's
@@ -26,48 +25,21 @@ last verdict's code).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import psutil
 
 from ..console import hms
+from .status import NoStatus, read
 
 STALE_S = 10.0
 SAME_PROCESS_S = 1.0
 WIDTH = 120
 STATE_WIDTH = 36
 FINAL_STATES = ("done", "stopped", "failed")
-
-
-class BadRunDir(ValueError):
-    """The one line exit status 2 prints."""
-
-
-def load(run_dir) -> dict:
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise BadRunDir(f"{run_dir}: no such directory")
-    path = run_dir / "status.json"
-    if not path.exists():
-        raise BadRunDir(f"{run_dir} has no status.json: not a run directory, or its job has not started yet")
-    # The supervisor replaces the file atomically, so a bad read is not expected;
-    # one retry covers a filesystem that does not honour that.
-    for retry in (True, False):
-        try:
-            status = json.loads(path.read_text())
-            if isinstance(status, dict):
-                return status
-            problem = "not a JSON object"
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            problem = str(e)
-        if retry:
-            time.sleep(0.2)
-    raise BadRunDir(f"{path} is unreadable: {problem}")
 
 
 def process_started(pid: int) -> Optional[float]:
@@ -241,7 +213,7 @@ def _clip(line: str) -> str:
 
 
 def _view(run_dir: str) -> tuple[int, str]:
-    status = load(run_dir)
+    status = read(run_dir)
     now = time.time()
     code, line = verdict(status, now)
     return code, f"{line}\n\n{render(status, now, run_dir)}"
@@ -273,7 +245,7 @@ def main(argv: list[str]) -> int:
             if code == 3:
                 return code
             time.sleep(args.watch)
-    except BadRunDir as e:
+    except NoStatus as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

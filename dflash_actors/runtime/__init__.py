@@ -5,13 +5,15 @@ test_runtime_generic.py`` fails if it ever imports them): it moves integer batch
 through stages of actor processes, with the data in preallocated shared-memory rings.
 
     config      RuntimeConfig, and the validated-dataclass machinery every config uses
-    messages    everything that crosses a pipe (Work, Stop, Ready, Done, ActorError)
+    messages    everything that crosses a pipe (Work, Stop, Ready, Done, Note, Starting,
+                ActorError), and ProtocolError: a message that contradicts the ledger
     ledger      the shared table of every batch's state: the commit points
     channels    rings of typed tensor slots: the data plane
     dispatch    Stage and Dispatcher: routing, slot reservation, recovery from the ledger
     actor       the actor process: lifecycle, heartbeats, the one error handler
     boot        an actor's first code: the parent-death signal, armed before any import
     events      events.log, one writer and one schema
+    files       write-then-rename: how every shared file and directory is replaced
     trace       where each actor spent its time: spans merged into trace.json
     policy      what a death means: restart, give up, or raise to the caller
     supervisor  spawn, watch, restart or stop, status.json

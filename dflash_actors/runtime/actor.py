@@ -42,7 +42,7 @@ import torch
 
 from .channels import Ring
 from .ledger import Ledger
-from .messages import ActorError, Done, Note, Ready, Starting, Stop, Work
+from .messages import ActorError, Done, Note, ProtocolError, Ready, Starting, Stop, Work
 from .trace import Tracer, Window, part_path
 
 
@@ -272,7 +272,7 @@ def actor_main(cls: type, ctx: ActorContext) -> None:
         _exit(0)
     except BaseException as e:  # the one place errors are caught in an actor process
         err = ActorError(ctx.actor_id, type(e).__name__, str(e), traceback.format_exc(),
-                         raised=e if isinstance(e, Escalate) else None)
+                         raised=e if isinstance(e, (Escalate, ProtocolError)) else None)
         try:
             ctx.conn.send(err)
         except OSError:

@@ -51,8 +51,14 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"int64": torch.int64, "int32": torch.int32, "int8": torch.int8,
-           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"int64": torch.int64, "int32": torch.int32, "int8": torch.int8,
+          "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Slot field dtypes by name: specs carry names, which pickle small and read well."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name ``FieldSpec.dtype`` takes for ``dtype``."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ class RingSpec:
             numel = 1
             for d in f.shape:
                 numel *= d
-            n += numel * torch.empty((), dtype=_DTYPES[f.dtype]).element_size()
+            n += numel * torch.empty((), dtype=DTYPES[f.dtype]).element_size()
         return n
 
 
@@ -96,7 +102,7 @@ class Ring:
             raise RuntimeError(f"ring {spec.name}: device {spec.device} needs CUDA")
         tensors = {}
         for f in spec.fields:
-            shape, dtype = (spec.n_slots, *f.shape), _DTYPES[f.dtype]
+            shape, dtype = (spec.n_slots, *f.shape), DTYPES[f.dtype]
             if spec.device == "cpu":
                 # Straight into a shared segment (zero pages): zeros().share_memory_() would
                 # fill private memory, then copy it, holding twice the ring for a while.

@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional
 
 from .channels import RingSpec
 from .ledger import Col, Ledger
-from .messages import Work
+from .messages import ProtocolError, Work
 
 
 def in_order(b: int) -> int:
@@ -80,10 +80,6 @@ class Stage:
     spec: Any = None
     """What every actor of this stage receives as ``self.spec``: a frozen dataclass of
     what the role needs, pickled once per spawn (shared tensors travel as fds)."""
-
-
-class ProtocolError(RuntimeError):
-    """An actor reported something the ledger contradicts: a bug, not a fault."""
 
 
 class SlotPool:

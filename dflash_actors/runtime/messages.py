@@ -16,6 +16,7 @@ Actor -> supervisor::
     Ready(actor_id, pid)                         attached, entering the work loop
     Done(actor_id, batch_id)                     the ledger already records the new state
     Note(actor_id, event, fields)                an event for events.log (a skipped step, a fault)
+    Starting(actor_id, phase, done, total)       a startup phase, before Ready
     ActorError(actor_id, exc_type, message, traceback_text, raised)   sent once, then exit 1
 
 Liveness does not travel here: each actor writes its heartbeat and progress counters
@@ -26,6 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+
+class ProtocolError(RuntimeError):
+    """What a message or the ledger says contradicts what its reader knows (a batch
+    Done twice, a slot freed twice, weights of the wrong version): a bug, not a fault.
+    No restart fixes one: raised in the supervisor it ends the run; raised in an actor
+    it stops the job at once, like an ``actor.Escalate`` error (``JobResult.raised``)."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +96,9 @@ class Starting:
 @dataclass(frozen=True)
 class ActorError:
     """An exception escaped the actor; it exits non-zero right after sending this.
-    ``raised`` is the exception itself when it is an ``actor.Escalate`` (those are made
-    to pickle): the supervisor hands it to its caller instead of restarting the actor."""
+    ``raised`` is the exception itself when it is an ``actor.Escalate`` or a
+    ``ProtocolError`` (both pickle: one message argument): the supervisor hands it to
+    its caller instead of restarting the actor."""
 
     actor_id: str
     exc_type: str

@@ -4,7 +4,8 @@ Per actor, as Ray Train's failure policy maps an error to a decision:
   * RESTART: Erlang's ``one_for_one``, the dead actor is restarted alone;
   * GIVE_UP: Erlang's restart intensity, more than ``max_restarts`` deaths within any
     ``window_s`` seconds: a crash loop, which fails the job;
-  * RAISE: the actor died of an ``actor.Escalate`` error, which no restart can fix; the
+  * RAISE: the actor died of an ``actor.Escalate`` or ``messages.ProtocolError`` error,
+    which no restart can fix; the
     job stops and its caller gets the exception.
 """
 
@@ -24,7 +25,8 @@ class Decision(enum.Enum):
 
 
 class RestartPolicy:
-    """Per actor: what its death means. An ``Escalate`` error is raised to the caller;
+    """Per actor: what its death means. An error the actor reported as ``raised``
+    (``Escalate``, ``ProtocolError``) goes to the caller;
     otherwise Erlang's restart intensity: more than ``max_restarts`` deaths within any
     ``window_s`` seconds means give up."""
 

@@ -6,6 +6,7 @@ State machine of the job::
     RUNNING --SIGINT/SIGTERM-----------> STOPPING(signal)      --> STOPPED
     RUNNING --restart intensity--------> STOPPING(error)       --> FAILED
     RUNNING --an actor raised Escalate-> STOPPING(error)       --> FAILED, result.raised
+            or a ProtocolError
 
 STOPPING: no new Work; ``Stop`` to every actor, which finishes the Work already queued;
 join until ``grace_s``; SIGTERM; SIGKILL.
@@ -13,8 +14,9 @@ join until ``grace_s``; SIGTERM; SIGKILL.
 When an actor dies, the dispatcher first recovers its in-flight batches from the
 ledger; then its ``policy.RestartPolicy`` decides: RESTART it alone, GIVE_UP (a crash
 loop: the job fails with one line naming the actor, its exit cause and its last
-traceback), or RAISE (an ``actor.Escalate`` error: the job stops and the caller gets
-the exception; the training job rolls back). An actor counts as dead when its process
+traceback), or RAISE (an ``actor.Escalate`` error, or a ``ProtocolError``, a bug: the
+job stops and the caller gets the exception; the training job rolls back after the
+former and fails after the latter). An actor counts as dead when its process
 exits (sentinel), and as hung, then killed, when its heartbeat is older than
 ``hang_timeout_s`` (before Ready: when it is not ready ``start_timeout_s`` after spawn).
 
@@ -63,11 +65,15 @@ from .channels import Ring, RingSpec
 from .config import ConfigError, RuntimeConfig
 from .dispatch import Dispatcher, Stage
 from .events import EventLog
+from .files import write_atomically
 from .ledger import Ledger
 from .messages import ActorError, Done, Note, Ready, Starting, Stop
 from .policy import Decision, RestartPolicy
 from .trace import SUPERVISOR_TRACK, Tracer, Window, clear, merge, part_path
 
+STATUS_FILE = "status.json"
+"""In the run directory: the runtime's block is ``status()``; a caller's ``on_status``
+adds its own (the training job's schema: ``dflash_actors/observe/status.py``)."""
 STATUS_PERIOD_S = 1.0
 TERM_WAIT_S = 2.0       # after SIGTERM, before SIGKILL
 BUSY_WINDOW_S = 30.0    # status.json's busy_pct_30s
@@ -91,7 +97,7 @@ class JobResult:
     """Batch ids in the order the last stage committed them."""
     restarts: dict[str, int] = field(default_factory=dict)
     raised: Optional[BaseException] = None
-    """The ``Escalate`` error that stopped the job (decision RAISE), for the caller."""
+    """The ``Escalate`` or ``ProtocolError`` that stopped the job (decision RAISE), for the caller."""
 
     @property
     def exit_code(self) -> int:
@@ -562,14 +568,10 @@ class Supervisor:
 
     def _write_status(self) -> None:
         self._check_stuck(time.monotonic())
-        path = self.run_dir / "status.json"
-        tmp_path = path.with_suffix(".json.tmp")
         status = self.status()
         if self.on_status is not None:
             self.on_status(status)
-        tmp_path.write_text(json.dumps(status, indent=1))
-        os.replace(tmp_path, path)
-
+        write_atomically(self.run_dir / STATUS_FILE, lambda tmp: tmp.write_text(json.dumps(status, indent=1)))
 
 
 def _usage(ps: Optional[psutil.Process]) -> tuple[Optional[float], Optional[float]]:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .files import write_atomically
+
 PARTS_DIR = "trace"
 TRACE_FILE = "trace.json"
 SUPERVISOR_TRACK = 0
@@ -127,10 +129,8 @@ def merge(run_dir: Path, tracks: dict[int, str]) -> Path:
         meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
         meta.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid, "args": {"sort_index": tid}})
     out = run_dir / TRACE_FILE
-    tmp = out.with_suffix(".json.tmp")
     doc = {"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": {"origin_monotonic_s": t0 / 1e6}}
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, out)
+    write_atomically(out, lambda tmp: tmp.write_text(json.dumps(doc)))
     shutil.rmtree(run_dir / PARTS_DIR, ignore_errors=True)
     return out
 

@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from ..train import costmodel
-from ..data.batching import Batch, BatchBuffers, assemble
 from ..config import Config
+from ..data.batching import Batch, BatchBuffers, assemble
+from ..job.preflight import DataCheck
 from ..models.drafter import build_drafter
 from ..models.loss import batch_loss, decay_gamma
 from ..models.target import load_target
+from ..train import costmodel
 from ..train.optim import build_optimizer
-from ..job.preflight import Preflight
 from ..train.simulate import SimulatedCompute
 
 PROBE_BATCHES = 3
@@ -34,11 +34,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _probe_batch(cfg: Config, pre: Preflight, k: int, buf: BatchBuffers, models, device) -> tuple[float, ...]:
+def _probe_batch(cfg: Config, data: DataCheck, k: int, buf: BatchBuffers, models, device) -> tuple[float, ...]:
     """(loader, target, drafter, optimizer seconds, tokens) of the plan's batch k."""
     target, drafter, opt = models
     t0 = time.perf_counter()
-    meta = assemble(pre.dataset, pre.plan0.batch(k), buf)
+    meta = assemble(data.dataset, data.plan0.batch(k), buf)
     t1 = time.perf_counter()
     batch = Batch.from_buffers(buf, meta).to(device)
     features = target.features(batch)
@@ -55,7 +55,7 @@ def _probe_batch(cfg: Config, pre: Preflight, k: int, buf: BatchBuffers, models,
     return t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, meta.n_tokens
 
 
-def probe_costs(cfg: Config, pre: Preflight) -> costmodel.StageCosts:
+def probe_costs(cfg: Config, data: DataCheck) -> costmodel.StageCosts:
     """Mean cost per batch of each stage (per step for the optimizer), measured here."""
     torch.set_num_threads(cfg.train.num_threads)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -63,8 +63,8 @@ def probe_costs(cfg: Config, pre: Preflight) -> costmodel.StageCosts:
     target = load_target(cfg, device)
     drafter = build_drafter(cfg, target).to(device)
     models = (target, drafter, build_optimizer(list(drafter.parameters()), cfg.train))
-    n = min(len(pre.plan0), PROBE_BATCHES + 1)
-    rows = [_probe_batch(cfg, pre, k, buf, models, device) for k in range(n)]
+    n = min(len(data.plan0), PROBE_BATCHES + 1)
+    rows = [_probe_batch(cfg, data, k, buf, models, device) for k in range(n)]
     rows = rows[1:] or rows             # the first batch warms up
     loader, tgt, dft, opt, tokens = (sum(col) / len(rows) for col in zip(*rows))
     sim = SimulatedCompute.from_config(cfg)
@@ -78,8 +78,8 @@ def device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def choose(cfg: Config, pre: Preflight, devices: int) -> tuple[str, str]:
-    """(``"N-M"``, the one line saying why)."""
-    costs = probe_costs(cfg, pre)
+def choose(cfg: Config, data: DataCheck, devices: int) -> tuple[int, int, str]:
+    """(targets, drafters, the one line saying why) for ``devices`` devices."""
+    costs = probe_costs(cfg, data)
     n, m, _ = costmodel.advise(costs, devices, cfg.train.grad_accum)[0]
-    return f"{n}-{m}", costmodel.explain(costs, devices, cfg.train.grad_accum)
+    return n, m, costmodel.explain(costs, devices, cfg.train.grad_accum)

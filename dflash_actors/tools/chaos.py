@@ -3,11 +3,12 @@ cluster would deal them.
 
 Two tools:
 
-* ``chaos_faults(cfg, seed, n)`` schedules ``n`` random ``runtime.faults`` over every
-  actor of the job (loader and optimizer included), every fault point and every kind
-  that ends or stalls an actor; ``launch.py --chaos SEED`` uses it. Faults never change
-  the math (``nan`` is left out), so a chaos run must end bit-identical to a clean one.
-* ``python -m dflash_actors.chaos RUN_DIR --kills N --seed S -- LAUNCH_ARGS`` starts
+* ``chaos_faults(cfg, seed, n, total_batches)`` schedules ``n`` random ``runtime.faults``
+  (as data, the entries of that key) over every actor of the job (loader and optimizer
+  included), every fault point and every kind that ends or stalls an actor;
+  ``launch.py --chaos SEED`` uses it. Faults never change the math (``nan`` is left
+  out), so a chaos run must end bit-identical to a clean one.
+* ``launch.py chaos RUN_DIR --kills N --seed S -- LAUNCH_ARGS`` starts
   ``launch.py --run-dir RUN_DIR LAUNCH_ARGS`` and, at random moments, ``kill -9``s real
   pids read from ``status.json``: actors (each must come back), the supervisor itself
   (``--supervisor-kills``: its actors must be gone within a second, then the driver
@@ -33,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..observe.status import read_or_none
+
 LAUNCH = Path(__file__).resolve().parents[2] / "launch.py"
 ENDING_KINDS = ("sigkill", "exit", "exception", "segfault", "slow", "hang")
 HANG_AFFORDABLE_S = 20.0
@@ -56,20 +59,8 @@ def chaos_faults(cfg, seed: int, n: int, total_batches: int) -> list[dict]:
     return sorted(out, key=lambda f: f["at_batch"])
 
 
-def faults_override(faults: list[dict]) -> str:
-    """``--set`` text for ``runtime.faults`` (YAML flow style)."""
-    return "runtime.faults=" + json.dumps(faults)
-
-
 # ---------------------------------------------------------------------------
 # the external driver
-
-
-def _status(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / "status.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 def _alive(pid: int) -> bool:
@@ -133,7 +124,7 @@ class Driver:
         or working; None if the run ends or the wait times out."""
         end = time.monotonic() + timeout
         while time.monotonic() < end and self.running():
-            st = _status(self.run_dir)
+            st = read_or_none(self.run_dir)
             if st and st.get("supervisor_pid") == self.proc.pid and st["state"] == "running":
                 states = [a["state"] in ("idle", "working") for a in st["actors"].values()]
                 if all(states) if every else any(states):
@@ -177,7 +168,7 @@ class Driver:
         os.kill(pid, signal.SIGCONT)
         self.done["stop_cont"] += 1
         time.sleep(1.0)     # a hang decision in flight would show by now
-        s = _status(self.run_dir)
+        s = read_or_none(self.run_dir)
         if s and s.get("supervisor_pid") == self.proc.pid and s["actors"][victim]["pid"] != pid:
             self.problems.append(f"{victim} was restarted after a SIGSTOP shorter than hang_timeout_s")
 
@@ -226,7 +217,7 @@ class Driver:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="launch.py chaos", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--kills", type=int, default=10, help="kill -9 of random actors")
     ap.add_argument("--supervisor-kills", type=int, default=0, help="kill -9 of the supervisor, then --resume")

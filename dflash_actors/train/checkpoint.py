@@ -29,6 +29,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..console import first_line
+from ..runtime.files import write_atomically
+
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 # SHA-256: OpenSSL runs it on the CPU's SHA extensions (x86 SHA-NI, ARMv8 crypto), ~0.9
@@ -52,22 +55,6 @@ class ResumeError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be read; the message names it."""
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(dirpath)
-
-
-def _fsync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _digest(path: Path) -> str:
@@ -94,24 +81,16 @@ def save_checkpoint(run_dir: str | Path, step: int, write_drafter: Callable[[Pat
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     _remove_orphans(root)
-    final = root / f"step-{step:07d}"
-    # The writer's pid in the name: a replacement never writes into a dead writer's files.
-    tmp = root / f".tmp-step-{step:07d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+
+    def write(tmp: Path) -> None:
         tmp.mkdir()
         write_drafter(tmp)
         torch.save(trainer_state, tmp / STATE_FILE)
         _write_manifest(tmp)
-        _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():          # same step saved again (e.g. a damaged one): replace
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    return final
+    # The writer's pid in the name: a replacement never writes into a dead writer's
+    # files. The same step saved again (a damaged one) replaces it.
+    return write_atomically(root / f"step-{step:07d}", write, tmp=root / f".tmp-step-{step:07d}-{os.getpid()}",
+                            durable=True)
 
 
 def _remove_orphans(root: Path) -> None:
@@ -239,11 +218,6 @@ def newest_usable(run_dir: str | Path, load: Callable[[Path], Any]) -> Found:
                 why = first_line(e)
         skipped.append((p, why))
     return Found(None, None, skipped)
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def load_trainer_state(ckpt: Path) -> dict:

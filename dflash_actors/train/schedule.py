@@ -46,9 +46,14 @@ class Schedule:
     def from_config(cls, cfg, lengths: np.ndarray, node: int | None = None) -> "Schedule":
         """The schedule of node ``node``; None: the whole run as one machine with all
         ``topology.nodes * num_drafters`` drafters (what the reference trains)."""
+        return cls.from_epoch_sizes(cfg, [len(plan_for(cfg, lengths, e)) for e in range(cfg.train.epochs)], node)
+
+    @classmethod
+    def from_epoch_sizes(cls, cfg, batches: list[int], node: int | None = None) -> "Schedule":
+        """``from_config`` from the number of batches each epoch's plan holds."""
         nodes, m = cfg.topology.nodes, cfg.topology.num_drafters
         per_all = cfg.train.grad_accum * m * nodes
-        steps = tuple(len(plan_for(cfg, lengths, e)) // per_all for e in range(cfg.train.epochs))
+        steps = tuple(n // per_all for n in batches)
         if node is None or nodes == 1:
             return cls(per_all, m * nodes, steps)
         if not 0 <= node < nodes:

@@ -25,6 +25,9 @@ from typing import Optional
 
 import torch
 
+from ..runtime.config import ConfigError
+from .costmodel import SHAPES, Workload, simulated_costs
+
 STAMP_MOD = 251
 """Stamps are ``b % 251``: exact in bf16 (integers up to 256 are)."""
 
@@ -38,14 +41,30 @@ class SimulatedCompute:
 
     @classmethod
     def from_config(cls, cfg) -> Optional["SimulatedCompute"]:
+        """The costs ``runtime.simulate`` sets, or None when it is off."""
         sim = cfg.runtime.simulate
-        return cls(*sim.costs_us()) if sim.enabled else None
+        if not sim.enabled:
+            return None
+        t_tok, d_tok = sim.target_us_per_token, sim.drafter_us_per_token
+        if sim.model is not None:
+            check(cfg)
+            w = Workload()
+            t_s, d_s = simulated_costs(SHAPES[sim.model], w, sim.tflops)
+            t_tok, d_tok = t_tok + t_s / w.token_budget * 1e6, d_tok + d_s / w.token_budget * 1e6
+        return cls(t_tok, sim.target_ms_per_batch * 1e3, d_tok, sim.drafter_ms_per_batch * 1e3)
 
     def target_s(self, n_tokens: int) -> float:
         return (self.target_us_per_token * n_tokens + self.target_us_per_batch) * 1e-6
 
     def drafter_s(self, n_tokens: int) -> float:
         return (self.drafter_us_per_token * n_tokens + self.drafter_us_per_batch) * 1e-6
+
+
+def check(cfg) -> None:
+    """ConfigError unless ``runtime.simulate.model`` is None or a known shape."""
+    model = cfg.runtime.simulate.model
+    if model is not None and model not in SHAPES:
+        raise ConfigError(f"runtime.simulate.model: unknown shape {model!r} (known: {', '.join(sorted(SHAPES))})")
 
 
 def feature_width(cfg, target) -> int:

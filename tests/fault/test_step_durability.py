@@ -9,7 +9,6 @@ import json
 import pytest
 from support.pipeline import assert_same_weights, final_weights, losses, small_config
 
-from dflash_actors.tools.chaos import faults_override
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 
@@ -26,7 +25,7 @@ def test_drafters_killed_mid_step_end_bit_identical(cache_dir, tmp_path, durabil
     run = tmp_path / "run"
     faults = [{"actor": a, "at_batch": b, "kind": "sigkill"} for a, b in KILLS]
     job = Job(small_config(cache_dir, run, "1-2", *EXTRA, "runtime.max_restarts=10",
-                           f"runtime.grad_durability={durability}", faults_override(faults)), progress=False)
+                           f"runtime.grad_durability={durability}", ("runtime.faults", faults)), progress=False)
     result = job.run()
     assert result.exit_code == 0, result.reason
     assert sorted(result.committed) == list(range(ref.steps * 6))

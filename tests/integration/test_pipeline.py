@@ -12,10 +12,11 @@ from collections import defaultdict
 import pytest
 from support.pipeline import ROOT, assert_same_weights, final_weights, losses, small_config
 
-from dflash_actors.observe import statusview
 from dflash_actors.config import dump_config
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
+from dflash_actors.observe import statusview
+from dflash_actors.observe.status import read as read_status
 from dflash_actors.runtime import trace
 from dflash_actors.train.schedule import Schedule
 
@@ -97,7 +98,7 @@ STAMPED = re.compile(r"^\[\d\d:\d\d:\d\d\] ")
 
 def status_verdict(run_dir) -> int:
     try:
-        return statusview.verdict(statusview.load(run_dir), time.time())[0]
+        return statusview.verdict(read_status(run_dir), time.time())[0]
     except ValueError:      # not written yet
         return 2
 
@@ -121,7 +122,7 @@ def test_2_2_launched_into_a_file_is_bit_identical_and_reports_well(cache_dir, t
     assert proc.returncode == 0, (tmp_path / "err.log").read_text()[-2000:]
     assert 0 in seen, seen          # healthy while it ran (1 once it stops, 3 once it is gone)
     assert '"stuck"' not in (run / "events.log").read_text()
-    code, line = statusview.verdict(statusview.load(run), time.time())
+    code, line = statusview.verdict(read_status(run), time.time())
     assert code == 3 and "done" in line, line
 
     ref = reference(cache_dir, tmp_path, "2-2")

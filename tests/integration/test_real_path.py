@@ -17,8 +17,6 @@ from support.pipeline import ROOT, SMALL
 from dflash_actors.config import load_config
 from dflash_actors.data.dataset import open_dataset
 from dflash_actors.eval.parity import main as evaluate_main
-from dflash_actors.models.drafter import DFlashDrafter
-from dflash_actors.models.target import ensure_target
 from dflash_actors.eval.prepare import (
     PrepareError,
     SamplingSettings,
@@ -27,6 +25,8 @@ from dflash_actors.eval.prepare import (
     prepare,
     read_metadata,
 )
+from dflash_actors.models.drafter import DFlashDrafter
+from dflash_actors.models.target import ensure_target
 
 PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"}]}
            for i in range(7)] + [{"messages": [{"role": "system", "content": "Be brief."},
@@ -65,7 +65,7 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
         # greedy: the completion is the target's own continuation
         from transformers import AutoModelForCausalLM
 
-        from dflash_actors.eval.parity import greedy_cached
+        from dflash_actors.eval.decode import greedy_cached
         from dflash_actors.models.target import TargetModel
         t = TargetModel(AutoModelForCausalLM.from_pretrained(target), [0])
         want, _ = greedy_cached(t, torch.tensor(prompt), 12, (tok.eos_token_id,))
@@ -74,7 +74,7 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
 
 
 def _prepare_cmd(target, prompts, out):
-    return [sys.executable, "-m", "dflash_actors.eval.prepare", "--target", str(target), "--prompts", str(prompts),
+    return [sys.executable, str(ROOT / "launch.py"), "prepare", "--target", str(target), "--prompts", str(prompts),
             "--out", str(out), "--max-new-tokens", "16", "--batch-size", "1", "--shard-size", "1",
             "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", "--threads", "1"]
 

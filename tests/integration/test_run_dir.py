@@ -19,14 +19,20 @@ from support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, sm
 from support.runtime import all_gone
 
 import launch
-from dflash_actors.job import job as pipeline
 from dflash_actors.actors.optimizer import RollbackRequired
-from dflash_actors.train.checkpoint import MANIFEST, checkpoint_problem, latest_checkpoint, list_checkpoints, save_checkpoint
 from dflash_actors.config import dump_config
-from dflash_actors.models.drafter import WEIGHTS
+from dflash_actors.job import job as pipeline
 from dflash_actors.job.reference import train_reference
 from dflash_actors.job.rundir import LOCK_FILE, RunDirLock
+from dflash_actors.models.drafter import WEIGHTS
 from dflash_actors.runtime.supervisor import JobResult, JobState
+from dflash_actors.train.checkpoint import (
+    MANIFEST,
+    checkpoint_problem,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+)
 
 FAST = ("train.num_threads=1", "train.checkpoint_every=2")
 

@@ -12,6 +12,8 @@ from support.runtime import assert_exactly_once, events, runtime
 from support.toy import toy_job
 
 from dflash_actors.observe import statusview
+from dflash_actors.observe.status import read as read_status
+from dflash_actors.runtime.messages import ProtocolError
 from dflash_actors.runtime.supervisor import JobState
 
 
@@ -40,6 +42,17 @@ def test_three_stage_chain_with_parallel_targets_and_drafters(tmp_path):
     assert sum(a["progress"]["done"] for k, a in status["actors"].items() if k.startswith("target")) == 60
 
 
+def test_a_protocol_error_in_an_actor_stops_the_job_instead_of_restarting_it(tmp_path):
+    """A ProtocolError is a bug: restarting the actor would meet the same contradiction
+    again, so the job stops at the first one and hands the error to its caller."""
+    sup, _ = toy_job(runtime(tmp_path, max_restarts=5), n_batches=40, stages=2, contradict_at=7)
+    result = sup.run()
+    assert result.state is JobState.FAILED and isinstance(result.raised, ProtocolError)
+    assert "batch 7 contradicts the ledger" in result.reason and result.restarts["drafter.0"] == 0
+    died = [e for e in events(tmp_path / "run") if e["event"] == "died"]
+    assert [(e["actor"], e["decision"]) for e in died] == [("drafter.0", "raise")]
+
+
 def test_status_file_shows_live_actors_and_a_stopped_one_as_stuck(tmp_path):
     """status.json while every actor is up; then a SIGSTOPed target: stuck in status.json,
     in ``launch.py status`` (exit 1, named) and in events.log, yet not restarted (it is
@@ -52,7 +65,7 @@ def test_status_file_shows_live_actors_and_a_stopped_one_as_stuck(tmp_path):
         end = time.monotonic() + 60
         while time.monotonic() < end:
             if path.exists():
-                st = statusview.load(path.parent)       # one read: the verdict is of this very status
+                st = read_status(path.parent)       # one read: the verdict is of this very status
                 verdict = statusview.verdict(st, time.time())
                 if cond(st, verdict):
                     return st, verdict

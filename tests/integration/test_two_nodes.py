@@ -9,11 +9,10 @@ import threading
 
 from support.pipeline import assert_same_weights, final_weights, free_port, losses, small_config
 
-from dflash_actors.tools.chaos import faults_override
-from dflash_actors.train.checkpoint import list_checkpoints, load_trainer_state
-from dflash_actors.cluster.link import NodeSpec
+from dflash_actors.cluster.node import NodeSpec
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
+from dflash_actors.train.checkpoint import list_checkpoints, load_trainer_state
 
 
 def run_nodes(cfgs, port: int, resume: bool = False) -> list:
@@ -56,7 +55,7 @@ def test_two_nodes_train_what_one_machine_with_both_drafters_trains(cache_dir, t
     runs = [tmp_path / "node0", tmp_path / "node1"]
     cfgs = [small_config(cache_dir, runs[k], "1-1", "topology.nodes=2", "train.grad_accum=2",
                          "train.checkpoint_every=2", "runtime.collective_timeout_s=60",
-                         f"runtime.grad_durability={durability[k]}", faults_override(faults[k]))
+                         f"runtime.grad_durability={durability[k]}", ("runtime.faults", faults[k]))
             for k in range(2)]
     (job0, r0), (job1, r1) = run_nodes(cfgs, free_port())
     assert not isinstance(r0, BaseException) and not isinstance(r1, BaseException), (r0, r1)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_actors.train.checkpoint import latest_checkpoint
 from dflash_actors.config import load_config
 from dflash_actors.models.drafter import DFlashDrafter
+from dflash_actors.train.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,8 @@ SMALL = ["data.synthetic.num_samples=128", "data.synthetic.heldout_samples=4", "
          "runtime.heartbeat_s=0.2", "runtime.hang_timeout_s=60", "runtime.grace_s=5"]
 
 
-def small_config(cache_dir: Path, run_dir: Path, topology: str, *extra: str):
+def small_config(cache_dir: Path, run_dir: Path, topology: str, *extra):
+    """The small test config; ``extra``: ``--set`` text or ``(key, value)`` pairs."""
     return load_config(ROOT / "configs/default.yaml",
                        SMALL + [f"data.cache_dir={cache_dir}", f"runtime.run_dir={run_dir}", *extra],
                        topology=topology)

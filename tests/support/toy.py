@@ -14,7 +14,8 @@ Contract (the same shape as the real actors, with synthetic payloads):
             overwrites rather than double counts) and commits.
   waits for Work; unblocked by the supervisor; on restart re-attaches and does what
   it is sent next. ``work_s`` stretches each item (beating every 10 ms) so kills land
-  mid-batch; ``fail_on_start`` raises in ``attach``.
+  mid-batch; ``fail_on_start`` raises in ``attach``; ``contradict_at`` makes the sink
+  raise a ``ProtocolError`` (a bug) at that batch.
 
 ``python -m tests.support.toy --run-dir D --batches N`` (from the repository root) runs
 a toy job and exits with the job's exit code, printing the one-line error on failure.
@@ -36,7 +37,7 @@ from dflash_actors.runtime.actor import Actor
 from dflash_actors.runtime.channels import FieldSpec, RingSpec
 from dflash_actors.runtime.config import RuntimeConfig, build
 from dflash_actors.runtime.dispatch import Stage
-from dflash_actors.runtime.messages import Work
+from dflash_actors.runtime.messages import ProtocolError, Work
 from dflash_actors.runtime.supervisor import Supervisor
 
 VOCAB = 32000
@@ -83,6 +84,8 @@ class ToySpec:
     model: Optional[str] = None
     check_hidden: bool = True
     results: Optional[torch.Tensor] = None
+    contradict_at: Optional[int] = None
+    """The sink's batch at which it finds the ledger contradicted (a ``ProtocolError``)."""
 
 
 class _Toy(Actor):
@@ -153,6 +156,8 @@ class ToySink(_Toy):
     def work(self, w: Work) -> None:
         src = self.in_ring.slot(w.in_slot)
         n = self._check_batch(src, w.batch_id)
+        if w.batch_id == self.spec.contradict_at:
+            raise ProtocolError(f"{self.ctx.actor_id}: batch {w.batch_id} contradicts the ledger (told to)")
         if "hidden" in src and self.spec.check_hidden:
             hidden = src["hidden"]
             if not torch.equal(hidden[:n], expected_hidden(src["tokens"][:n], hidden.shape[1], hidden.dtype)):
@@ -164,8 +169,8 @@ class ToySink(_Toy):
 
 def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budget: int = 256,
             max_rows: int = 8, width: int = 24, work_s: float = 0.0, fail_on_start: str | None = None,
-            n_targets: int = 1, n_drafters: int = 1,
-            model: str | None = None) -> tuple[Supervisor, torch.Tensor]:
+            n_targets: int = 1, n_drafters: int = 1, model: str | None = None,
+            contradict_at: int | None = None) -> tuple[Supervisor, torch.Tensor]:
     """A supervisor over loader -> [target ->] drafter (the sink) with toy actors, and
     the shared results table the sink fills. ``stages`` is 2 (loader -> drafter over
     the batch ring) or 3 (with targets and a feature ring)."""
@@ -180,7 +185,7 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
     fields = batch_fields(token_budget, max_rows)
     rings = [RingSpec("batch", runtime.batch_slots, fields)]
     plan = [Stage("loader", ToyLoader, S.PLANNED, S.LOADED, out_ring="batch", spec=spec("loader"))]
-    sink = spec("drafter", results=results, check_hidden=model is None)
+    sink = spec("drafter", results=results, check_hidden=model is None, contradict_at=contradict_at)
     route = (lambda b: b % n_drafters)   # noqa: E731 - the toy's own batch-to-sink rule
     if stages == 3:
         hidden = FieldSpec("hidden", (token_budget, width), "bfloat16" if model else "float32")

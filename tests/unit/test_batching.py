@@ -51,16 +51,6 @@ def test_plan_covers_epoch_once_within_budget(dataset):
     assert s["padding_efficiency"] > 0.8
 
 
-def test_shards_are_disjoint_and_cover(dataset):
-    p = plan(dataset[0], 0)
-    shards = [list(p.shard(k, 3)) for k in range(3)]
-    flat = sorted(b for s in shards for b in s)
-    assert flat == list(range(len(p)))
-    assert all(set(shards[i]).isdisjoint(shards[j]) for i in range(3) for j in range(i + 1, 3))
-    with pytest.raises(ValueError):
-        p.shard(3, 3)
-
-
 def test_plan_rejects_oversized_sample(dataset):
     with pytest.raises(ValueError, match="exceeds token_budget"):
         plan_epoch(np.array([10, 600]), BUDGET, MAX_SAMPLES, 8, 0, 0)

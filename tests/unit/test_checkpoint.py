@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from dflash_actors.config import Config, load_config
 from dflash_actors.train.checkpoint import (
     PER_STEP,
     ResumeError,
@@ -19,7 +20,6 @@ from dflash_actors.train.checkpoint import (
     remove_partial,
     save_checkpoint,
 )
-from dflash_actors.config import Config, load_config
 
 
 def write_weights(value):

@@ -11,8 +11,10 @@ import pytest
 import torch
 from support.pipeline import free_port
 
-from dflash_actors.cluster import link as cluster
-from dflash_actors.cluster.link import ClusterError, Exchange, Link, NodeSpec, first_host, launcher_restart, node_spec
+from dflash_actors.cluster import link
+from dflash_actors.cluster.exchange import ClusterError, Exchange
+from dflash_actors.cluster.link import Link
+from dflash_actors.cluster.node import DEFAULT_PORT, NodeSpec, first_host, launcher_restart, node_spec
 from dflash_actors.config import ConfigError
 from dflash_actors.train.optim import reduce_and_step
 from dflash_actors.train.params import GradAccumulators, ParamLayout, WeightStore
@@ -59,7 +61,7 @@ def test_torchrun_environment():
 def test_slurm_environment():
     env = {"SLURM_NTASKS": "3", "SLURM_PROCID": "2", "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "gpu[07-09]"}
     n = node_spec(env=env)
-    assert (n.nodes, n.rank, n.addr, n.port) == (3, 2, "gpu07", cluster.DEFAULT_PORT)
+    assert (n.nodes, n.rank, n.addr, n.port) == (3, 2, "gpu07", DEFAULT_PORT)
     assert node_spec(env=env | {"MASTER_ADDR": "head", "MASTER_PORT": "1234"}).addr == "head"
     with pytest.raises(ValueError, match="--ntasks-per-node 1"):
         node_spec(env=env | {"SLURM_NNODES": "1"})
@@ -143,7 +145,7 @@ def test_exchange_is_the_single_machine_sum_bit_for_bit(monkeypatch, nodes, m, a
     """Every node gets the sum of all K*M drafters in one machine's order (checked with
     ``optim.reduce_and_step``'s own summation), the stats rows in global drafter order,
     and the batch count; chunks small enough that the chain pipelines several."""
-    monkeypatch.setattr(cluster, "CHUNK", 16)
+    monkeypatch.setattr(link, "CHUNK", 16)
     gen = torch.Generator().manual_seed(0)
     steps = 3
     sums = [[torch.randn(P, generator=gen) * 10 ** (j % 4) for j in range(nodes * m)] for _ in range(steps)]

@@ -103,16 +103,17 @@ def test_digest_tracks_values():
 
 
 def test_every_command_starts_from_the_same_default():
-    """``python -m dflash_actors.reference`` and ``launch.py`` read one default file, so
+    """``launch.py reference`` and ``launch.py`` read one default file, so
     "bit-identical to the reference" holds without passing ``--config`` to both."""
     import argparse
 
     import launch
+    from dflash_actors.cluster.node import NodeSpec
     from dflash_actors.config import DEFAULT_CONFIG, add_config_args, config_from_args
     ap = argparse.ArgumentParser()
     add_config_args(ap)
     ours = config_from_args(ap.parse_args([]))
-    assert ours == config_from_args(launch.parse_args([])) == load_config(DEFAULT_CONFIG)
+    assert ours == launch.config_of(launch.parse_args([]), NodeSpec(), None, False) == load_config(DEFAULT_CONFIG)
     assert DEFAULT_CONFIG == ROOT / "configs" / "default.yaml"
     assert ours != Config()     # the file is not the dataclass defaults
 

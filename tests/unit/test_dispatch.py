@@ -7,8 +7,9 @@ import pytest
 
 from dflash_actors.runtime.actor import Actor
 from dflash_actors.runtime.channels import FieldSpec, RingSpec
-from dflash_actors.runtime.dispatch import Dispatcher, ProtocolError, Stage, in_order
+from dflash_actors.runtime.dispatch import Dispatcher, Stage, in_order
 from dflash_actors.runtime.ledger import Col, Ledger
+from dflash_actors.runtime.messages import ProtocolError
 
 
 class State(enum.IntEnum):

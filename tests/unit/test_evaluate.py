@@ -5,20 +5,17 @@ import pytest
 import torch
 
 from dflash_actors.data.dataset import open_dataset
-from dflash_actors.eval.parity import (
-    completion_entropy,
+from dflash_actors.data.synthetic import ensure_synthetic_dataset, flatten, write_token_dataset
+from dflash_actors.eval.decode import (
     conditional_acceptance,
     drafter_proposer,
     greedy_cached,
     greedy_generate,
-    real_tau,
-    regenerate,
-    simulated_tau,
     speculative_generate,
-    walk_tau,
 )
+from dflash_actors.eval.prepare import regenerate
+from dflash_actors.eval.tau import completion_entropy, real_tau, simulated_tau, walk_tau
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
-from dflash_actors.data.synthetic import ensure_synthetic_dataset, flatten, write_token_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 

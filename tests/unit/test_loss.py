@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_actors.data.batching import Batch
 from dflash_actors.config import load_config
+from dflash_actors.data.batching import Batch
 from dflash_actors.models import loss as L
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
 from tests.support.oracle_loss import dflash_loss_per_sequence

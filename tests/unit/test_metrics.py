@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from dflash_actors.models.loss import BlockStats
 from dflash_actors.train.metrics import (
     STEP_COLS,
     batch_table,
@@ -17,7 +18,6 @@ from dflash_actors.train.metrics import (
     write_batch,
     write_step,
 )
-from dflash_actors.models.loss import BlockStats
 
 B = 4
 

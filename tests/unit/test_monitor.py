@@ -11,9 +11,10 @@ import torch
 
 from dflash_actors import console
 from dflash_actors.config import Config, build
-from dflash_actors.train.metrics import batch_table, step_table, write_batch, write_step
 from dflash_actors.models.loss import BlockStats
 from dflash_actors.observe.monitor import Monitor, accounting, progress_line, starting_line
+from dflash_actors.observe.status import JobStatus
+from dflash_actors.train.metrics import batch_table, step_table, write_batch, write_step
 from dflash_actors.train.schedule import Schedule
 
 STAGES = [SimpleNamespace(role=r, count=c) for r, c in (("loader", 1), ("target", 2), ("drafter", 2),
@@ -63,16 +64,17 @@ def lines(tmp_path, kind):
 def test_one_step_line_per_step_adding_up(tmp_path):
     sched, shared, work = job(tmp_path)
     m = Monitor(config(tmp_path), sched, shared, 0, enabled=False)
+    hook = JobStatus(m)      # the job's on_status: what the supervisor calls
     m.watch(work, STAGES)
     st = status()
-    m(st)                                   # every actor ready: rates count from now
+    hook(st)                                   # every actor ready: rates count from now
     t0 = m.t_train
     finish_step(shared, sched, 0, t0 + 2.0)
     finish_step(shared, sched, 1, t0 + 4.0)
-    m(st)
-    m(st)                                   # nothing new: nothing written twice
+    hook(st)
+    hook(st)                                   # nothing new: nothing written twice
     finish_step(shared, sched, 2, t0 + 5.0)
-    m(st)
+    hook(st)
     m.close()
     steps = lines(tmp_path, "step")
     assert [s["step"] for s in steps] == [1, 2, 3]
@@ -91,9 +93,10 @@ def test_one_step_line_per_step_adding_up(tmp_path):
 def test_a_step_done_before_the_monitor_saw_it_start_has_no_rate(tmp_path):
     sched, shared, work = job(tmp_path)
     m = Monitor(config(tmp_path), sched, shared, 0, enabled=False)
+    hook = JobStatus(m)      # the job's on_status: what the supervisor calls
     m.watch(work, STAGES)
     finish_step(shared, sched, 0, 1.0)      # long before the first look
-    m(status())
+    hook(status())
     m.close()
     (step,) = lines(tmp_path, "step")
     assert step["tokens_per_s"] is None and step["stages"]["target"] == {"busy_s": 2.0, "wait_s": None}
@@ -103,10 +106,11 @@ def test_a_resumed_run_starts_its_lines_at_its_checkpoint(tmp_path):
     sched, shared, work = job(tmp_path)
     shared.weights.version = 2
     m = Monitor(config(tmp_path), sched, shared, 2, enabled=False)
+    hook = JobStatus(m)      # the job's on_status: what the supervisor calls
     m.watch(work, STAGES)
-    m(status())
+    hook(status())
     finish_step(shared, sched, 2, m.t_train + 1.0)
-    m(status())
+    hook(status())
     m.close()
     assert [s["step"] for s in lines(tmp_path, "step")] == [3]
 
@@ -114,10 +118,11 @@ def test_a_resumed_run_starts_its_lines_at_its_checkpoint(tmp_path):
 def test_resource_samples_give_busy_since_the_last_one(tmp_path):
     sched, shared, work = job(tmp_path)
     m = Monitor(config(tmp_path, resources_every_s=0.01), sched, shared, 0, enabled=False)
+    hook = JobStatus(m)      # the job's on_status: what the supervisor calls
     m.watch(work, STAGES)
-    m(status(busy=1.0))
+    hook(status(busy=1.0))
     m.last_sample = (m.last_sample[0] - 10.0, m.last_sample[1])     # as if 10 s ago
-    m(status(busy=6.0))
+    hook(status(busy=6.0))
     m.close()
     samples = lines(tmp_path, "resources")
     assert len(samples) == 2 and samples[0]["actors"]["target.0"]["busy_pct"] is None
@@ -180,11 +185,12 @@ def test_tensorboard_scalars_when_installed(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     sched, shared, work = job(tmp_path)
     m = Monitor(config(tmp_path, tensorboard=True), sched, shared, 0, enabled=False)
+    hook = JobStatus(m)      # the job's on_status: what the supervisor calls
     m.watch(work, STAGES)
-    m(status())
+    hook(status())
     for s in range(3):
         finish_step(shared, sched, s, m.t_train + s + 1)
-    m(status())
+    hook(status())
     m.close()
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()

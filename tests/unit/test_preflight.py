@@ -4,7 +4,7 @@ feature ring lives (``runtime.feature_transport``)."""
 import pytest
 
 from dflash_actors.config import ConfigError
-from dflash_actors.job.preflight import feature_device
+from dflash_actors.job.wiring import feature_device
 
 
 def test_feature_ring_device_follows_the_transport_and_the_topology():

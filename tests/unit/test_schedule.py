@@ -4,8 +4,8 @@ its epoch, position, step and drafter, listed one by one."""
 import numpy as np
 import pytest
 
-from dflash_actors.data.batching import plan_for
 from dflash_actors.config import config_from_dict
+from dflash_actors.data.batching import plan_for
 from dflash_actors.train.schedule import Schedule
 
 PER_STEP, M, STEPS = 6, 3, (2, 1, 3)

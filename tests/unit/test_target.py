@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_actors.data.batching import Batch
 from dflash_actors.config import load_config
+from dflash_actors.data.batching import Batch
 from dflash_actors.models.target import (
     SelfCheckError,
     TargetModel,
