@@ -1,11 +1,7 @@
-import sys
-from pathlib import Path
+import pytest
 
-# Tests import the package from this checkout, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-import pytest  # noqa: E402
+# Tests import the package and their helpers (``tests.support``) from this checkout,
+# installed or not: setup.cfg puts the repository root on sys.path (``pythonpath``).
 
 
 @pytest.fixture(scope="session")

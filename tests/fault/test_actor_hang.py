@@ -2,10 +2,9 @@
 
 import signal
 
-from support.runtime import Striker, assert_exactly_once, events, runtime
-from support.toy import toy_job
-
 from dflash_actors.runtime.supervisor import JobState
+from tests.support.runtime import Striker, assert_exactly_once, events, runtime
+from tests.support.toy import toy_job
 
 HANG_S = 4.0
 

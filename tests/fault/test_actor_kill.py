@@ -3,10 +3,10 @@
 import random
 
 import pytest
-from support.runtime import Striker, assert_exactly_once, events, runtime
-from support.toy import toy_job
 
 from dflash_actors.runtime.supervisor import JobState
+from tests.support.runtime import Striker, assert_exactly_once, events, runtime
+from tests.support.toy import toy_job
 
 
 def _kill_run(tmp_path, plan, n, **job):

@@ -10,10 +10,10 @@ import time
 
 import psutil
 import pytest
-from support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, free_port, losses, small_config
-from support.runtime import all_gone
 
 from dflash_actors.job.reference import train_reference
+from tests.support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, free_port, losses, small_config
+from tests.support.runtime import all_gone
 
 TIMEOUT_S = 10
 ARGS = [*SMALL, "train.epochs=8", "train.checkpoint_every=2", f"runtime.collective_timeout_s={TIMEOUT_S}"]

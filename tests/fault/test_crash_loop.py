@@ -4,7 +4,7 @@ one line naming the actor, the exception and where it was raised, and exits non-
 import subprocess
 import sys
 
-from support.runtime import ROOT, events
+from tests.support.runtime import ROOT, events
 
 
 def test_raise_on_start_stops_the_job_after_max_restarts(tmp_path):

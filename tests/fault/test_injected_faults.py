@@ -4,13 +4,13 @@ import json
 import math
 
 import pytest
-from support.pipeline import assert_same_weights, final_weights, losses, small_config
-from support.runtime import assert_exactly_once, runtime
-from support.toy import toy_job
 
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.runtime.supervisor import JobState
+from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
+from tests.support.runtime import assert_exactly_once, runtime
+from tests.support.toy import toy_job
 
 
 def events(run_dir):

@@ -10,13 +10,13 @@ import time
 
 import psutil
 import pytest
-from support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, losses, small_config
-from support.runtime import all_gone
 
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.train.checkpoint import latest_checkpoint, load_trainer_state
+from tests.support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, losses, small_config
+from tests.support.runtime import all_gone
 
 LONG = ("train.epochs=20",)
 

@@ -10,11 +10,11 @@ import signal
 import threading
 
 import pytest
-from support.pipeline import final_weights, small_config
 
 import launch
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
+from tests.support.pipeline import final_weights, small_config
 
 LEN = ("train.epochs=6", "train.grad_accum=2", "train.checkpoint_every=2")
 

@@ -7,10 +7,10 @@ bit on the reference."""
 import json
 
 import pytest
-from support.pipeline import assert_same_weights, final_weights, losses, small_config
 
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
+from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
 
 # 1-2 with grad_accum 3: a step is 6 batches, drafter j sums 6s+j, 6s+j+2, 6s+j+4.
 EXTRA = ("data.synthetic.num_samples=384", "train.grad_accum=3", "runtime.batch_slots=2", "runtime.feature_slots=2")

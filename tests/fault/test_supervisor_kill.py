@@ -8,8 +8,9 @@ import sys
 import time
 
 import psutil
-from support.pipeline import SMALL
-from support.runtime import ROOT, all_gone
+
+from tests.support.pipeline import SMALL
+from tests.support.runtime import ROOT, all_gone
 
 
 def test_children_die_with_a_killed_supervisor(tmp_path):

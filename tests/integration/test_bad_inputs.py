@@ -10,7 +10,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from support.pipeline import ROOT, SMALL
 
 import launch
 from dflash_actors.config import dump_config, load_config
@@ -18,6 +17,7 @@ from dflash_actors.data.synthetic import flatten, write_token_dataset
 from dflash_actors.models.drafter import build_drafter
 from dflash_actors.models.head import load_head
 from dflash_actors.train.checkpoint import save_checkpoint
+from tests.support.pipeline import ROOT, SMALL
 
 IDS = [np.arange(2, 40), np.arange(5, 35), np.arange(7, 47)]   # 38, 30 and 40 tokens
 

@@ -5,13 +5,13 @@ import json
 
 import numpy as np
 import pytest
-from support.pipeline import ROOT, SMALL
 
 import launch
 from dflash_actors.config import load_config
 from dflash_actors.data.synthetic import flatten, write_token_dataset
 from dflash_actors.models.drafter import build_drafter
 from dflash_actors.models.head import load_head
+from tests.support.pipeline import ROOT, SMALL
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import time
 from collections import defaultdict
 
 import pytest
-from support.pipeline import ROOT, assert_same_weights, final_weights, losses, small_config
 
 from dflash_actors.config import dump_config
 from dflash_actors.job.job import Job
@@ -19,6 +18,7 @@ from dflash_actors.observe import statusview
 from dflash_actors.observe.status import read as read_status
 from dflash_actors.runtime import trace
 from dflash_actors.train.schedule import Schedule
+from tests.support.pipeline import ROOT, assert_same_weights, final_weights, losses, small_config
 
 REFERENCE = {}
 

@@ -11,8 +11,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from support.chat import tiny_chat_target
-from support.pipeline import ROOT, SMALL
 
 from dflash_actors.config import load_config
 from dflash_actors.data.dataset import open_dataset
@@ -27,6 +25,8 @@ from dflash_actors.eval.prepare import (
 )
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.models.target import ensure_target
+from tests.support.chat import tiny_chat_target
+from tests.support.pipeline import ROOT, SMALL
 
 PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"}]}
            for i in range(7)] + [{"messages": [{"role": "system", "content": "Be brief."},

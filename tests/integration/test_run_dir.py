@@ -15,8 +15,6 @@ import time
 
 import psutil
 import pytest
-from support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, small_config
-from support.runtime import all_gone
 
 import launch
 from dflash_actors.actors.optimizer import RollbackRequired
@@ -33,6 +31,8 @@ from dflash_actors.train.checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
+from tests.support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, small_config
+from tests.support.runtime import all_gone
 
 FAST = ("train.num_threads=1", "train.checkpoint_every=2")
 

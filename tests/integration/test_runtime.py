@@ -8,13 +8,13 @@ import threading
 import time
 
 import psutil
-from support.runtime import assert_exactly_once, events, runtime
-from support.toy import toy_job
 
 from dflash_actors.observe import statusview
 from dflash_actors.observe.status import read as read_status
 from dflash_actors.runtime.messages import ProtocolError
 from dflash_actors.runtime.supervisor import JobState
+from tests.support.runtime import assert_exactly_once, events, runtime
+from tests.support.toy import toy_job
 
 
 def test_producer_consumer_moves_real_tensors_in_order(tmp_path):

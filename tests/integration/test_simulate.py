@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import torch
-from support.pipeline import small_config
 
 from dflash_actors.job.job import Job
 from dflash_actors.runtime import trace
 from dflash_actors.train.simulate import stamp, stamp_problem
+from tests.support.pipeline import small_config
 
 WIDTH = 96
 

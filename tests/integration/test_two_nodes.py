@@ -7,12 +7,11 @@ node per gradient durability). (The
 import json
 import threading
 
-from support.pipeline import assert_same_weights, final_weights, free_port, losses, small_config
-
 from dflash_actors.cluster.node import NodeSpec
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.train.checkpoint import list_checkpoints, load_trainer_state
+from tests.support.pipeline import assert_same_weights, final_weights, free_port, losses, small_config
 
 
 def run_nodes(cfgs, port: int, resume: bool = False) -> list:

@@ -12,7 +12,7 @@ from pathlib import Path
 from dflash_actors.runtime.actor import Phase
 from dflash_actors.runtime.config import RuntimeConfig, build
 from dflash_actors.runtime.ledger import Col
-from support.toy import S, checksum
+from tests.support.toy import S, checksum
 
 ROOT = Path(__file__).resolve().parents[2]
 

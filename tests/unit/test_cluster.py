@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.pipeline import free_port
 
 from dflash_actors.cluster import link
 from dflash_actors.cluster.exchange import ClusterError, Exchange
@@ -19,6 +18,7 @@ from dflash_actors.config import ConfigError
 from dflash_actors.train.optim import reduce_and_step
 from dflash_actors.train.params import GradAccumulators, ParamLayout, WeightStore
 from dflash_actors.train.schedule import Schedule
+from tests.support.pipeline import free_port
 
 # -- the node spec ------------------------------------------------------------
 
