@@ -29,7 +29,7 @@ slow: setup
 	$(PY) -m pytest -q -m "slow" tests
 
 # Many kills in one run, then the suite of chaotic 2-2 runs compared bit for bit with a
-# clean one (one JSON line); 17.5 minutes here in all.
+# clean one (one JSON line). How long it takes: benchmarks/results/durations.md.
 chaos: setup
 	$(PY) -m pytest -q -m "chaos" tests
 	$(PY) -m benchmarks.chaos_suite

@@ -44,7 +44,7 @@ def _pipeline(p: dict) -> list[str]:
 
 
 def _projection(projections: list[dict]) -> list[str]:
-    out = ["", "## Projection at real sizes (paper arithmetic, dflash_actors.costmodel)", ""]
+    out = ["", "## Projection at real sizes (paper arithmetic, dflash_actors.train.costmodel)", ""]
     rows = []
     for pr in projections:
         for link, v in pr["links"].items():

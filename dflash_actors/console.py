@@ -24,8 +24,6 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from .runtime.actor import every
-
 DELAY_S = 1.0       # a phase shorter than this prints nothing
 
 _mode: Optional[str] = None     # chosen by the first ``setup``, or "auto" on first use
@@ -80,6 +78,11 @@ def phase(desc: str, enabled: bool = True):
     if not enabled or mode() == "off":
         yield
         return
+    # Imported here: the runtime's actor module brings torch, and this module must stay
+    # light (``launch.py`` imports it, and every actor re-imports ``launch.py`` as its
+    # ``__mp_main__`` before its parent-death signal is armed).
+    from .runtime.actor import every
+
     t0 = time.monotonic()
     with every(_every_s, lambda: say(f"{desc}: {time.monotonic() - t0:.0f} s so far"), first_s=DELAY_S):
         yield

@@ -37,7 +37,7 @@ Use::
     result = sup.run()           # returns when every batch is committed, or on a stop
     sys.exit(result.exit_code)   # 0 done, 130 stopped by a signal, 1 failed (result.reason)
 
-The training job's wiring (``dflash_actors.wiring``) is the real example.
+The training job's wiring (``dflash_actors.job.wiring``) is the real example.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ bottom layer free of DFlash altogether.
 """
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -115,5 +116,17 @@ def test_importing_a_layer_loads_nothing_above_it():
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('dflash_actors.'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    loaded = {_group(m) for m in __import__("json").loads(out.stdout)}
+    loaded = {_group(m) for m in json.loads(out.stdout)}
     assert loaded <= {"config", "console", "runtime", "data"}, loaded
+
+
+def test_launch_py_imports_no_torch_at_the_top():
+    """Every actor re-imports ``launch.py`` as its ``__mp_main__`` (the spawn start
+    method) before its first own code arms the parent-death signal, so whatever
+    ``launch.py`` imports at the top is a window in which a killed supervisor leaves
+    orphans: it must stay at the config and the console, never torch."""
+    code = "import json, sys\nimport launch\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    heavy = [m for m in json.loads(out.stdout) if m.split(".")[0] in ("torch", "transformers", "numpy")]
+    assert not heavy, f"import launch loads {sorted({m.split('.')[0] for m in heavy})}"

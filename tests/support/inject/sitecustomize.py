@@ -4,7 +4,7 @@ A test puts this directory first on ``PYTHONPATH`` and sets one of the variables
 every Python process of the run (the supervisor and each spawned actor) then imports
 this file at start-up and patches the named module right after it is first imported:
 
-* ``DFLASH_TEST_CHECKPOINT_PAUSE_S``: ``dflash_actors.checkpoint.save_checkpoint``
+* ``DFLASH_TEST_CHECKPOINT_PAUSE_S``: ``dflash_actors.train.checkpoint.save_checkpoint``
   stalls that many seconds after the drafter files are written and before the
   checkpoint is complete, so a kill can land mid-write.
 * ``DFLASH_TEST_SHIFT_LAYERS``: ``TargetModel.hidden`` captures each configured layer's
