@@ -196,18 +196,11 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
             threads: int | None = None, progress: bool = True) -> Path:
     """Regenerate the responses to ``prompts_path`` with ``target`` into dataset ``out``."""
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     out, prompts_path = Path(out), Path(prompts_path)
-    if (out / "state.json").is_file():
-        raise PrepareError(f"--out: {out} already holds a dataset (remove it to regenerate)")
-    if batch_size < 1 or shard_size < 1 or sampling.max_new_tokens < 1:
-        raise PrepareError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
-    if not (sampling.temperature >= 0 and 0 < sampling.top_p <= 1):
-        raise PrepareError(f"--temperature must be >= 0 and --top-p in (0, 1] "
-                           f"(got {sampling.temperature}, {sampling.top_p})")
+    _check_settings(out, batch_size, shard_size, sampling)
     messages = read_prompts(prompts_path)[:limit]
     target_dir = resolve_target_dir(target, None, cache_dir)
     tokenizer = load_tokenizer(target_dir)
@@ -215,7 +208,35 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
     encoded = [encode_prompt(tokenizer, m, template) for m in messages]
     prompts_sha = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()[:16]
     manifest = _manifest(target, prompts_path, len(encoded), shard_size, template, sampling, prompts_sha)
+    partial = _partial_dir(out, manifest)
+    shards = [range(lo, min(len(encoded), lo + shard_size)) for lo in range(0, len(encoded), shard_size)]
+    paths = [partial / f"shard-{s:05d}.npz" for s in range(len(shards))]
+    todo = [s for s, path in enumerate(paths) if not path.is_file()]
+    if threads:
+        torch.set_num_threads(threads)
+    bar = tqdm(total=len(encoded), initial=len(encoded) - sum(len(shards[s]) for s in todo),
+               desc="prepare", unit="completion", disable=not progress, dynamic_ncols=True)
+    if todo:
+        gen = _Generator(target_dir, tokenizer, sampling, batch_size, device, bar)
+        for s in todo:
+            write_atomically(paths[s], lambda path, s=s: _save_shard(path, *gen.shard(encoded, shards[s], s)))
+    bar.close()
+    return _assemble(out, partial, paths, {**manifest, "target_dir": str(target_dir)}, len(tokenizer))
 
+
+def _check_settings(out: Path, batch_size: int, shard_size: int, sampling: SamplingSettings) -> None:
+    if (out / "state.json").is_file():
+        raise PrepareError(f"--out: {out} already holds a dataset (remove it to regenerate)")
+    if batch_size < 1 or shard_size < 1 or sampling.max_new_tokens < 1:
+        raise PrepareError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
+    if not (sampling.temperature >= 0 and 0 < sampling.top_p <= 1):
+        raise PrepareError(f"--temperature must be >= 0 and --top-p in (0, 1] "
+                           f"(got {sampling.temperature}, {sampling.top_p})")
+
+
+def _partial_dir(out: Path, manifest: dict) -> Path:
+    """``OUT.partial``, holding the shards finished so far; refused if another run of
+    other settings started it."""
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
     mpath = partial / "manifest.json"
@@ -227,55 +248,57 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
                                f"({old.get(diff)!r} vs {manifest[diff]!r}); remove it or rerun with the same settings")
     else:
         write_atomically(mpath, lambda p: p.write_text(json.dumps(manifest, indent=1)))
+    return partial
 
-    n_shards = -(-len(encoded) // shard_size)
-    shard_path = [partial / f"shard-{s:05d}.npz" for s in range(n_shards)]
-    todo = [s for s in range(n_shards) if not shard_path[s].is_file()]
-    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if threads:
-        torch.set_num_threads(threads)
-    bar = tqdm(total=len(encoded), initial=len(encoded) - sum(
-        min(shard_size, len(encoded) - s * shard_size) for s in todo),
-        desc="prepare", unit="completion", disable=not progress, dynamic_ncols=True)
-    t0, new_tokens = time.perf_counter(), 0
-    if todo:
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16 if dev.type == "cuda"
-                                                     else torch.float32).to(dev).eval()
-        stops = stop_ids(tokenizer, model)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops or [0])[0]
-        for s in todo:
-            idx = list(range(s * shard_size, min(len(encoded), (s + 1) * shard_size)))
-            # Similar lengths together waste less padding; the order is fixed, so a rerun
-            # of this shard batches (and samples) exactly as the first try did.
-            idx.sort(key=lambda i: (len(encoded[i]), i))
-            responses: dict[int, list[int]] = {}
-            for k in range(0, len(idx), batch_size):
-                group = idx[k:k + batch_size]
-                for i, r in zip(group, generate_batch(model, [encoded[i] for i in group], sampling, stops, pad,
-                                                      sampling.seed * 1_000_003 + s * 1009 + k)):
-                    responses[i] = r
-                    new_tokens += len(r)
-                bar.update(len(group))
-                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
-            order = sorted(responses)
-            seqs = [np.asarray(encoded[i] + responses[i], np.int32) for i in order]
-            masks = [np.r_[np.zeros(len(encoded[i]), np.int8), np.ones(len(responses[i]), np.int8)] for i in order]
-            write_atomically(shard_path[s], lambda p, seqs=seqs, masks=masks, order=order: _save_shard(
-                p, order, seqs, masks))
-    bar.close()
 
+class _Generator:
+    """The target, loaded once, generating shard after shard."""
+
+    def __init__(self, target_dir: Path, tokenizer, sampling: SamplingSettings, batch_size: int, device: str, bar):
+        from transformers import AutoModelForCausalLM
+
+        dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(dev).eval()
+        self.stops = stop_ids(tokenizer, self.model)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stops or [0])[0]
+        self.sampling, self.batch_size, self.bar = sampling, batch_size, bar
+        self.t0, self.new_tokens = time.perf_counter(), 0
+
+    def shard(self, encoded: list[list[int]], members: range, s: int) -> tuple[list[int], list, list]:
+        """``(prompt indices, token arrays, loss masks)`` of shard ``s``, in prompt order."""
+        # Similar lengths together waste less padding; the order is fixed, so a rerun
+        # of this shard batches (and samples) exactly as the first try did.
+        idx = sorted(members, key=lambda i: (len(encoded[i]), i))
+        responses: dict[int, list[int]] = {}
+        for k in range(0, len(idx), self.batch_size):
+            group = idx[k:k + self.batch_size]
+            seed = self.sampling.seed * 1_000_003 + s * 1009 + k
+            for i, r in zip(group, generate_batch(self.model, [encoded[i] for i in group], self.sampling,
+                                                  self.stops, self.pad, seed)):
+                responses[i] = r
+                self.new_tokens += len(r)
+            self.bar.update(len(group))
+            self.bar.set_postfix(tok_s=f"{self.new_tokens / (time.perf_counter() - self.t0):.0f}")
+        order = sorted(responses)
+        seqs = [np.asarray(encoded[i] + responses[i], np.int32) for i in order]
+        masks = [np.r_[np.zeros(len(encoded[i]), np.int8), np.ones(len(responses[i]), np.int8)] for i in order]
+        return order, seqs, masks
+
+
+def _assemble(out: Path, partial: Path, shard_paths: list[Path], meta: dict, vocab_size: int) -> Path:
+    """The dataset from every finished shard, with its ``prepare.json``; the partial
+    directory goes once the dataset is in place."""
     seqs, masks = [], []
-    for p in shard_path:
+    for p in shard_paths:
         with np.load(p) as z:
             off = z["offsets"]
             seqs += [z["input_ids"][off[i]:off[i + 1]] for i in range(len(off) - 1)]
             masks += [z["loss_mask"][off[i]:off[i + 1]] for i in range(len(off) - 1)]
     offsets, flat = flatten(seqs)
-    num_shards = max(1, len(seqs) // 2000)
-    write_token_dataset(out, offsets, flat, flatten(masks)[1], num_shards=num_shards)
-    supervised = int(sum(int(m.sum()) for m in masks))
-    meta = {**manifest, "target_dir": str(target_dir), "completions": len(seqs), "tokens": int(offsets[-1]),
-            "generated_tokens": supervised, "vocab_size": len(tokenizer)}
+    write_token_dataset(out, offsets, flat, flatten(masks)[1], num_shards=max(1, len(seqs) // 2000))
+    meta = {**meta, "completions": len(seqs), "tokens": int(offsets[-1]),
+            "generated_tokens": int(sum(int(m.sum()) for m in masks)), "vocab_size": vocab_size}
     (out / "prepare.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(partial)
     return out
