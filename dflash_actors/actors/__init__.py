@@ -1,4 +1,5 @@
-"""One module per actor kind; ``base`` holds the lifecycle they share.
+"""The four stages of the job, one module per actor kind, each with its contract on top;
+the lifecycle they share is the runtime's (``runtime.actor``).
 
 Importing this package (every actor process does, to unpickle its entry point) makes
 two process-wide choices that keep killed actors from leaving anything behind or

@@ -1,0 +1,3 @@
+"""Operator tools on top of the job: the chaos driver (``chaos``) and ``--topology
+auto``'s advice (``advice``).
+"""
