@@ -1,8 +1,9 @@
 """Run configuration: frozen dataclasses loaded from YAML.
 
 A config is a tree of sections (``data``, ``batching``, ``target``, ``drafter``,
-``train``, ``topology``, ``runtime``, ``eval``). ``load_config`` merges, in order, the dataclass
-defaults, a YAML file, and ``--set section.key=value`` overrides, then validates once.
+``train``, ``topology``, ``runtime``, ``eval``, ``monitor``). ``load_config`` merges, in
+order, the dataclass defaults, a YAML file and overrides (``(key, value)`` pairs, or
+``--set section.key=value`` text), then validates once.
 Every error is a ``ConfigError`` whose one-line message starts with the key path, so a
 user sees ``batching.token_budget: must be >= 1 (got 0)`` rather than a traceback.
 
@@ -10,9 +11,11 @@ Field constraints live next to the field (``metadata={"check": ...}``); rules th
 two sections together live in ``Config.__post_init__``. The checking machinery and the
 ``runtime`` section belong to the generic runtime (``runtime.config``).
 
-Every command line that trains (``launch.py``, ``launch.py reference``)
-takes its config through ``add_config_args``/``config_from_args``, so all of them start
-from the same default file, ``configs/default.yaml``.
+Every command line that trains (``launch.py``, ``launch.py reference``) takes its
+options through ``add_config_args``, so all of them start from the same default file,
+``configs/default.yaml``. ``Config.updated`` derives a config from another with some
+keys changed, as data: how the launch applies what it computes (a chosen topology, an
+adapted accumulation, injected faults) without parsing text again.
 """
 
 from __future__ import annotations
@@ -412,7 +415,8 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
                     help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
 
 
-def config_from_args(args: argparse.Namespace, *extra: tuple[str, Any]) -> Config:
-    """The config ``add_config_args`` describes, with ``extra`` overrides applied last."""
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The config ``add_config_args`` describes (``launch.py`` adds the node and the run
+    directory to the same, ``launch.config_of``)."""
     # None: --config not given (launch.py tells that apart from the default for --resume).
-    return load_config(args.config or DEFAULT_CONFIG, [*args.overrides, *extra], topology=args.topology)
+    return load_config(args.config or DEFAULT_CONFIG, args.overrides, topology=args.topology)

