@@ -90,13 +90,14 @@ def settle(args: argparse.Namespace):
     from dflash_actors.job.preflight import check_data, preflight
     node = node_spec(args.nnodes, args.node_rank, args.master)
     run_dir, resume = run_dir_of(args, node)
-    cfg = config_of(args, node, run_dir, resume)
+    sets = [parse_override(text) for text in args.overrides]
+    cfg = config_of(args, sets, node, run_dir, resume)
     console.setup(cfg.monitor.console, cfg.monitor.log_every_s)
     data = check_data(cfg)
     derived = {}
     if args.topology == "auto":
         derived |= auto_topology(cfg, data, args.devices)
-    if resume and not any(parse_override(text)[0] == "train.grad_accum" for text in args.overrides):
+    if resume and not any(key == "train.grad_accum" for key, _ in sets):
         derived |= keep_batches_per_step(cfg, run_dir, derived.get("topology.num_drafters"))
     if derived:
         cfg = cfg.updated(derived)
@@ -106,11 +107,11 @@ def settle(args: argparse.Namespace):
     return node, resume, cfg, pre
 
 
-def config_of(args: argparse.Namespace, node, run_dir: Optional[str], resume: bool) -> Config:
+def config_of(args: argparse.Namespace, sets: list, node, run_dir: Optional[str], resume: bool) -> Config:
     """The one config the command line describes: the YAML file (the run's own
-    ``config.yaml`` on a resume), ``--topology``, ``--set`` and the node, as data."""
+    ``config.yaml`` on a resume), ``--topology``, ``sets`` (``--set``, parsed) and the
+    node, as data."""
     from dflash_actors.job.rundir import resume_config
-    sets = [parse_override(text) for text in args.overrides]
     if any(key == "topology.nodes" for key, _ in sets):
         raise ValueError("topology.nodes: set by --nnodes or the torchrun/SLURM environment, not --set")
     if args.devices is not None and args.topology != "auto":

@@ -113,7 +113,7 @@ def test_every_command_starts_from_the_same_default():
     ap = argparse.ArgumentParser()
     add_config_args(ap)
     ours = config_from_args(ap.parse_args([]))
-    assert ours == launch.config_of(launch.parse_args([]), NodeSpec(), None, False) == load_config(DEFAULT_CONFIG)
+    assert ours == launch.config_of(launch.parse_args([]), [], NodeSpec(), None, False) == load_config(DEFAULT_CONFIG)
     assert DEFAULT_CONFIG == ROOT / "configs" / "default.yaml"
     assert ours != Config()     # the file is not the dataclass defaults
 
