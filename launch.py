@@ -92,11 +92,12 @@ def settle(args: argparse.Namespace):
     run_dir, resume = run_dir_of(args, node)
     sets = [parse_override(text) for text in args.overrides]
     cfg = config_of(args, sets, node, run_dir, resume)
+    devices = auto_devices(args.devices) if args.topology == "auto" else None     # before the data: it fails fast
     console.setup(cfg.monitor.console, cfg.monitor.log_every_s)
     data = check_data(cfg)
     derived = {}
-    if args.topology == "auto":
-        derived |= auto_topology(cfg, data, args.devices)
+    if devices is not None:
+        derived |= auto_topology(cfg, data, devices)
     if resume and not any(key == "train.grad_accum" for key, _ in sets):
         derived |= keep_batches_per_step(cfg, run_dir, derived.get("topology.num_drafters"))
     if derived:
@@ -125,12 +126,18 @@ def config_of(args: argparse.Namespace, sets: list, node, run_dir: Optional[str]
     return cfg
 
 
-def auto_topology(cfg: Config, data, devices: Optional[int]) -> dict:
-    """``--topology auto``: measure the stage costs, pick N-M, say why in one line."""
-    from dflash_actors.tools.advice import choose, device_count
-    devices = devices if devices is not None else device_count()
+def auto_devices(given: Optional[int]) -> int:
+    """The devices ``--topology auto`` splits: ``--devices``, else the GPUs here."""
+    from dflash_actors.tools.advice import device_count
+    devices = given if given is not None else device_count()
     if devices < 2:
         raise ValueError(f"--devices: a topology needs at least 2 devices (got {devices})")
+    return devices
+
+
+def auto_topology(cfg: Config, data, devices: int) -> dict:
+    """``--topology auto``: measure the stage costs, pick N-M of ``devices``, say why in one line."""
+    from dflash_actors.tools.advice import choose
     n, m, why = choose(cfg, data, devices)
     print(why, file=sys.stderr)
     return {"topology.num_targets": n, "topology.num_drafters": m}

@@ -83,7 +83,6 @@ class Monitor:
         self.restarts: dict[str, int] = {}
         self.stuck: dict[str, Optional[str]] = {}
         self.ready_said = False
-        self.training: Optional[dict] = None    # the newest training block, while shown
         self.block: Optional[dict] = None       # the newest training block
         self.shown = -1                         # the step of the last progress line
         self.tb = None
@@ -257,14 +256,13 @@ class Monitor:
         elif self.next > self.first and now - self.last_line >= self.cfg.monitor.log_every_s:
             self.last_line, self.shown = now, training["step"]
             console.say(progress_line(training, sum(self.restarts.values())))
-        self.training = training
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.training is not None and self.training["step"] != self.shown and self.next > self.first:
+        elif self.enabled and self.block is not None and self.block["step"] != self.shown and self.next > self.first:
             # The log ends where training did, not up to log_every_s before.
-            console.say(progress_line(self.training, sum(self.restarts.values())))
+            console.say(progress_line(self.block, sum(self.restarts.values())))
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
