@@ -348,15 +348,15 @@ def build_drafter_step(sizes: Sizes, device):
 def train_step(drafter, head, features, batch, num_anchors: int, compute_dtype: str, stats: dict):
     """``step(i)``: the drafter actor's work on batch i (``batch_loss``, then ``backward``
     into fresh gradients); the last loss and block count go into ``stats``."""
-    from dflash_actors.models.loss import batch_loss
+    from dflash_actors.models.loss import Objective, batch_loss
 
     params = list(drafter.parameters())
 
     def step(i: int) -> None:
         for p in params:
             p.grad = None
-        loss, st = batch_loss(drafter, head, features, batch, num_anchors=num_anchors, gamma=7.0,
-                              seed=0, epoch=0, batch_id=i, compute_dtype=compute_dtype)
+        loss, st = batch_loss(drafter, head, features, batch, Objective(num_anchors, 7.0, 0, compute_dtype),
+                              epoch=0, batch_id=i)
         loss.backward()
         stats.update(loss=float(loss.detach()), blocks=st.blocks)
     return step

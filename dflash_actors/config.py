@@ -126,6 +126,14 @@ class TargetConfig:
     """Each target actor checks at start that its packed-batch features equal the
     model's plain forward (``output_hidden_states``) at the configured layers, and
     stops the job before training if they differ."""
+    feature_cache: Literal["off", "memory", "disk"] = "off"
+    """Offline mode for repeated epochs: a sample's features are computed once, in the
+    first batch that holds it, and reused by later epochs instead of running the target
+    again. ``memory``: kept in shared host memory for the job's life; ``disk``: kept in
+    ``<run_dir>/feature-cache`` and reused by a resumed job (checked against the data
+    and the target, discarded when they differ)."""
+    feature_cache_gb: float = checked(4.0, above(0))
+    """Size budget of the feature cache; samples past it are computed every epoch."""
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
 
@@ -135,10 +143,26 @@ class DrafterConfig:
     block_size: int = checked(16, at_least(2))
     target_layer_ids: Optional[tuple[int, ...]] = None
     """Target layers whose outputs feed the drafter; None = build_target_layer_ids."""
+    init: Literal["random", "target"] = "random"
+    """How a new drafter starts (``init_from`` wins over both). ``random``: normal(0.02)
+    linears and unit norms, as every public trainer starts. ``target``: its layers copied
+    from the target layers right after the deepest feature layer, ``fc`` passing that
+    layer's features through, ``hidden_norm`` and the final norm from the target
+    (``models.drafter.init_from_target``)."""
+    init_parts: tuple[str, ...] = ("layers", "fc", "hidden_norm", "norm")
+    """With ``init: target``, which parts come from the target (the rest stay random):
+    ``layers``, ``fc``, ``hidden_norm``, ``norm``."""
     mask_token_id: Optional[int] = checked(None, optional(at_least(0)))
     """An unused embedding row of the target; None = the target's last vocab row."""
     init_from: Optional[str] = checked(None, optional(nonempty))
-    """A drafter directory (e.g. a released DFlash drafter) to start from; None = random init."""
+    """A drafter directory (e.g. a released DFlash drafter) to start from; None = ``init``."""
+
+    def __post_init__(self):
+        bad = set(self.init_parts) - {"layers", "fc", "hidden_norm", "norm"}
+        if bad:
+            raise ConfigError(f"init_parts: unknown {sorted(bad)} (choose from layers, fc, hidden_norm, norm)")
+        if self.target_layer_ids is not None and not self.target_layer_ids:
+            raise ConfigError("target_layer_ids: must name at least one layer (null = the default choice)")
 
 
 @dataclass(frozen=True)
@@ -153,6 +177,17 @@ class TrainConfig:
     num_anchors: int = checked(512, at_least(1))
     gamma: Optional[float] = checked(None, optional(above(0)))
     """Loss decay over block slots; None = 7 for block 16, 5 for 10, 4 for 8."""
+    position_weight: Literal["decay", "dpace"] = "decay"
+    """How block slots are weighted in the loss. ``decay``: ``exp(-(k-1)/gamma)`` (the
+    DFlash paper's). ``dpace``: D-PACE, each slot weighted by the expected number of
+    accepted tokens it takes part in, from the drafter's own detached probabilities
+    (``dpace_alpha`` is the floor of each factor); gamma is then unused."""
+    dpace_alpha: float = checked(0.5, in_range(0, 1))
+    head_loss: Literal["auto", "fused", "checkpointed"] = "auto"
+    """How the frozen vocabulary head and its cross-entropy run. ``fused``: the gradient
+    is computed in the forward, chunk by chunk, so the head's matmul runs twice and no
+    logits are kept; ``checkpointed``: autograd over checkpointed chunks (three matmuls).
+    Same loss and gradients at float rounding; auto = fused."""
     checkpoint_every: int = checked(0, at_least(0))
     """Optimizer steps between checkpoints; 0 = only at the end and on signals."""
     num_threads: int = checked(1, at_least(1))

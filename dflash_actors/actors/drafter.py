@@ -37,7 +37,7 @@ from ..config import Config
 from ..data.batching import FEATURES, Batch, BatchMeta
 from ..models.drafter import build_drafter
 from ..models.head import load_head
-from ..models.loss import batch_loss, decay_gamma
+from ..models.loss import Objective, batch_loss
 from ..runtime.actor import Actor
 from ..runtime.messages import ProtocolError
 from ..train.metrics import write_batch
@@ -71,7 +71,7 @@ class Drafter(Actor):
         self.starting("build drafter")
         self.model = build_drafter(self.spec.cfg, self.head)
         self.params = list(self.model.parameters())
-        self.gamma = decay_gamma(self.spec.cfg)
+        self.objective = Objective.from_config(self.spec.cfg)
         self.version = -1
         self.nan_batch = -1
         self.keep_sum = self.spec.cfg.runtime.grad_durability == "step"
@@ -153,9 +153,7 @@ class Drafter(Actor):
             fake_backward(self.params)
             return no_stats(self.spec.cfg.drafter.block_size)
         epoch, i = self.spec.schedule.locate(b)
-        t = self.spec.cfg.train
-        loss, stats = batch_loss(self.model, self.head, slot_features.to(self.device), batch,
-                                 num_anchors=t.num_anchors, gamma=self.gamma, seed=t.seed, epoch=epoch, batch_id=i,
-                                 compute_dtype=t.compute_dtype)
+        loss, stats = batch_loss(self.model, self.head, slot_features.to(self.device), batch, self.objective,
+                                 epoch=epoch, batch_id=i)
         loss.backward()
         return stats

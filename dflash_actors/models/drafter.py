@@ -24,7 +24,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from .target import ensure_target, is_hf_dir
+from .target import ensure_target, is_hf_dir, load_target
 
 WEIGHTS = "model.safetensors"
 # Saved as ``dflash.py`` beside the weights: config.json's ``auto_map`` names it.
@@ -279,9 +279,86 @@ def _default_mask_token(cfg, target) -> tuple[int, str]:
     return choose_mask_token(AutoTokenizer.from_pretrained(path), target.vocab_size)
 
 
+INIT_PARTS = ("layers", "fc", "hidden_norm", "norm")
+
+
+def target_init_plan(layer_ids: list[int], num_target_layers: int, num_layers: int) -> dict:
+    """Which target tensors ``init_from_target`` copies: the drafter's layers continue
+    the target right after its deepest feature layer ``d`` (layers ``d+1 ..``, moved
+    down as far as needed to exist), so the context that ``fc`` passes through (layer
+    ``d``'s output, normed as layer ``d+1``'s input norm would) is what those layers
+    were trained to read. A drafter deeper than the target keeps its extra layers random."""
+    deepest = max(layer_ids)
+    first = max(0, min(deepest + 1, num_target_layers - num_layers))
+    return {"layers": list(range(first, min(first + num_layers, num_target_layers))), "deepest": deepest,
+            "hidden_norm_from": min(deepest + 1, num_target_layers - 1)}
+
+
+@torch.no_grad()
+def init_from_target(drafter: DFlashDrafter, read, num_target_layers: int,
+                     parts: tuple[str, ...] = INIT_PARTS) -> DFlashDrafter:
+    """Overwrite ``parts`` of ``drafter`` with the target's own weights, ``read(name)``
+    giving a target tensor by its HF name (or None when the target has none: a Llama
+    has no q/k norms, which then stay at 1).
+
+    * ``layers``: drafter layer i <- target layer ``plan["layers"][i]`` (attention
+      projections, MLP, both norms);
+    * ``fc``: ``[0 | .. | I | .. | 0]``, the deepest feature layer passed through;
+    * ``hidden_norm``: that next target layer's input norm;
+    * ``norm``: the target's final norm, which the target's own head expects.
+    """
+    unknown = set(parts) - set(INIT_PARTS)
+    if unknown:
+        raise ValueError(f"drafter.init_parts: unknown {sorted(unknown)} (choose from {list(INIT_PARTS)})")
+    plan = target_init_plan(drafter.target_layer_ids, num_target_layers, len(drafter.layers))
+
+    def put(param: torch.Tensor, name: str) -> None:
+        t = read(name)
+        if t is None:
+            return
+        if t.shape != param.shape:
+            raise ValueError(f"drafter.init: target tensor {name} has shape {tuple(t.shape)}, "
+                             f"the drafter's is {tuple(param.shape)}")
+        param.copy_(t.to(param.dtype))
+    if "layers" in parts:
+        for layer, src in zip(drafter.layers, plan["layers"]):
+            for name, param in layer.named_parameters():
+                put(param, f"model.layers.{src}.{name}")
+    if "fc" in parts:
+        h = drafter.config.hidden_size
+        k = drafter.target_layer_ids.index(plan["deepest"])
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, k * h:(k + 1) * h] = torch.eye(h)
+    if "hidden_norm" in parts:
+        put(drafter.hidden_norm.weight, f"model.layers.{plan['hidden_norm_from']}.input_layernorm.weight")
+    if "norm" in parts:
+        put(drafter.norm.weight, "model.norm.weight")
+    return drafter
+
+
+def target_reader(cfg, target):
+    """``read(name)`` over the target's safetensors files, as stored: every process
+    (the supervisor and optimizer hold no target; a target actor may hold it in bf16 on
+    a GPU) then starts from the same bits. A loaded ``TargetModel``'s own state only
+    when the directory has no safetensors."""
+    from .head import _find_tensors, _read
+
+    path = ensure_target(cfg)
+    if not ((path / WEIGHTS).is_file() or (path / "model.safetensors.index.json").is_file()):
+        model = getattr(target, "model", None) or load_target(cfg, "cpu").model
+        sd = model.state_dict()
+        return lambda name: sd.get(name)
+
+    def read(name: str):
+        found = _find_tensors(path, (name,))
+        return _read(found[name], name) if name in found else None
+    return read
+
+
 def build_drafter(cfg, target) -> DFlashDrafter:
     """The drafter a run starts from: ``drafter.init_from`` if set, else a fresh one
-    initialised from ``cfg.train.seed`` alone (identical in every process)."""
+    initialised from ``cfg.train.seed`` (identical in every process) and, with
+    ``drafter.init: target``, parts of it copied from the target (``init_from_target``)."""
     if cfg.drafter.mask_token_id is not None:
         mask_id, reason = cfg.drafter.mask_token_id, "set by drafter.mask_token_id"
     else:
@@ -298,4 +375,7 @@ def build_drafter(cfg, target) -> DFlashDrafter:
         return d
     dcfg = drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
                           mask_id, reason, target.vocab_size)
-    return DFlashDrafter(dcfg).init_weights(cfg.train.seed).to(target.device)
+    d = DFlashDrafter(dcfg).init_weights(cfg.train.seed)
+    if cfg.drafter.init == "target":
+        init_from_target(d, target_reader(cfg, target), int(target.config.num_hidden_layers), cfg.drafter.init_parts)
+    return d.to(target.device)

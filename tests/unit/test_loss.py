@@ -476,8 +476,8 @@ def test_label_alignment_perfect_context(setup):
     opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
     for step in range(150):
         batch = packed([chain(x, 48) for x in rng.choice(order, 8)])
-        loss, _ = L.batch_loss(d, target, target.features(batch), batch, num_anchors=16, gamma=4.0,
-                               seed=0, epoch=0, batch_id=step)
+        loss, _ = L.batch_loss(d, target, target.features(batch), batch, L.Objective(16, 4.0, 0),
+                               epoch=0, batch_id=step)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -489,3 +489,63 @@ def test_label_alignment_perfect_context(setup):
     shifted = torch.tensor([[ids[a + k + 1] for k in range(1, d.block_size)] for a in anchors])
     assert (pred[:, 1:] == want).float().mean() > 0.9
     assert (pred[:, 1:] == shifted).float().mean() < 0.1
+
+
+# -- the frozen head: fused against checkpointed; D-PACE -------------------------
+
+
+@pytest.mark.parametrize("chunk", [L.CE_CHUNK_ROWS, 7])
+def test_fused_head_equals_checkpointed(setup, monkeypatch, chunk):
+    """The fused CE (gradient made in the forward) gives the checkpointed path's loss,
+    stats and gradients, in one chunk and in many."""
+    _, target, d = setup
+    monkeypatch.setattr(L, "CE_CHUNK_ROWS", chunk)
+    for batch, anchors in oracle_cases()[:2]:
+        feats = target.features(batch)
+        for weighting in ("decay", "dpace"):
+            runs = [loss_and_grads(lambda *a, how=how: L.dflash_loss(*a, head_loss=how, position_weight=weighting),
+                                   d, target, feats, batch, anchors) for how in ("fused", "checkpointed")]
+            (loss, grads, stats), (want, want_grads, want_stats) = runs
+            torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+            for (name, _), g, w in zip(d.named_parameters(), grads, want_grads):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()), msg=name)
+            assert stats.accepted == want_stats.accepted and torch.equal(stats.slot_correct, want_stats.slot_correct)
+
+
+def test_fused_ce_values_and_gradient_of_a_weighted_sum():
+    """Against plain autograd over whole logits, with weights on the rows, in fp32."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(23, 16, generator=g, dtype=torch.float64).float().requires_grad_()
+    W = torch.randn(50, 16, generator=g)
+    lab, w = torch.randint(0, 50, (23,), generator=g), torch.rand(23, generator=g)
+    ce, pred = L.fused_ce(h, W, lab)
+    (ce * w).sum().backward()
+    h2 = h.detach().clone().requires_grad_()
+    logits = h2 @ W.T
+    want = F.cross_entropy(logits, lab, reduction="none")
+    (want * w).sum().backward()
+    torch.testing.assert_close(ce, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(pred, logits.argmax(-1))
+    with pytest.raises(ValueError, match="frozen"):
+        L.fused_ce(h, W.clone().requires_grad_(), lab)
+
+
+def test_dpace_weights_match_the_formula():
+    """w_j = sum_{m >= j} prod_{i <= m} ((1 - a) q_i + a), q = exp(-CE), per block; a slot
+    outside the loss ends the chain and slot 0 weighs nothing."""
+    valid = torch.tensor([[[False, True, True, True, True], [False, True, True, False, False]]])
+    rows = valid.nonzero(as_tuple=True)
+    ce = torch.linspace(0.1, 2.0, len(rows[0]))
+    alpha = 0.3
+    got = L.dpace_weights(ce, valid, rows, alpha)
+    q = torch.zeros(valid.shape)
+    q[rows] = torch.exp(-ce)
+    want = []
+    for blk in range(2):
+        r = [(1 - alpha) * float(q[0, blk, i]) + alpha if valid[0, blk, i] else 0.0 for i in range(5)]
+        for j in range(1, 5):
+            if valid[0, blk, j]:
+                want.append(sum(np.prod(r[1:m + 1]) for m in range(j, 5)))
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), rtol=1e-6, atol=1e-7)
+    assert not got.requires_grad
