@@ -12,19 +12,29 @@ Contract:
             a mismatch raises ``SelfCheckFailed`` and stops the job before training
   on restart reloads the target; whatever it held is put back to LOADED, its batch slot
             untouched, and recomputed by whichever target is free.
+With ``target.feature_cache`` (``train.feature_cache``) the features of samples seen in
+an earlier batch come from the job's cache instead (a batch entirely cached skips the
+forward), and the samples this batch is the first to hold are stored there: rows, then
+a per-sample flag (fault point ``cache``, between the two). An entry that should be
+there and is not is recomputed here, by assembling its first batch from the dataset,
+never waited for; the cache outlives a target's restart.
 Under ``runtime.simulate`` the forward is a wait and the features a stamped tensor of
-the slot's width kept in device memory (``simulate``); every copy stays.
+the slot's width kept in device memory (``simulate``); every copy stays (the cache is
+refused there: there are no features to keep).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..config import Config
 from ..data.batching import FEATURES, Batch, BatchMeta, copy_batch
 from ..runtime.actor import Actor, Escalate
+from ..train.feature_cache import FeatureCache
+from ..train.schedule import Schedule
 from ..train.simulate import SimulatedCompute, stamp, wait
 
 
@@ -37,10 +47,14 @@ class TargetSpec:
     cfg: Config
     devices: tuple[str, ...]
     """Target i runs on ``devices[i]``."""
+    schedule: Schedule
+    """This node's: the cache plans in the run's (global) batch ids."""
+    cache: Optional[FeatureCache] = None
 
 
 class Target(Actor):
     spec: TargetSpec
+    FAULT_POINTS = (*Actor.FAULT_POINTS, "cache")
 
     def attach(self) -> None:
         self.device = torch.device(self.spec.devices[self.ctx.index])
@@ -65,6 +79,8 @@ class Target(Actor):
             self.fake = torch.zeros(like.shape, dtype=like.dtype, device=self.device)
         self.in_ring.pin()
         self.out_ring.pin()
+        if self.spec.cache is not None and self.device.type == "cuda":
+            self.spec.cache.pin()
 
     def work(self, w) -> None:
         b = w.batch_id
@@ -72,8 +88,15 @@ class Target(Actor):
         src, dst = self.in_ring.slot(w.in_slot), self.out_ring.slot(w.out_slot)
         copy_batch(src, dst, meta)
         batch = Batch.from_slot(src, meta).to(self.device, non_blocking=True)
-        with self.span("target forward", b, tokens=meta.n_tokens):
-            features = self._forward(batch, meta.n_tokens, b)
+        if self.spec.cache is None:
+            with self.span("target forward", b, tokens=meta.n_tokens):
+                features = self._forward(batch, meta.n_tokens, b)
+        else:
+            with self.span("cached features", b, tokens=meta.n_tokens):
+                features = self.spec.cache.features(
+                    self.spec.schedule.global_id(b), src["sample_ids"][:meta.n_samples].numpy(),
+                    src["cu_seqlens"][:meta.n_samples + 1].numpy(), batch, self.model.features, self.device,
+                    self.ctx.index, midway=lambda: self.fault_point("cache", b))
         out = dst[FEATURES][:meta.n_tokens]
         with self.span("feature copy", b, bytes=out.numel() * out.element_size()):
             out.copy_(features)

@@ -17,6 +17,10 @@ written from it here. If instead the optimizer found the committed state
 untrustworthy (``RollbackRequired``), the attempt's state is dropped unwritten and the
 next attempt starts from the newest checkpoint that verifies (version 0 if none does),
 at most ``runtime.max_restarts`` times.
+With ``target.feature_cache`` on, the constructor plans the cache (``train.feature_cache``)
+and ``run`` opens it once for every attempt: shared memory handed to the targets, or
+``<run_dir>/feature-cache`` kept across resumes; its counters go to status.json and
+summary.json as ``feature_cache``.
 With ``eval.every`` set, an ``evaluator`` process beside the supervisor reads the
 published weights and appends held-out metrics to ``metrics.jsonl``.
 
@@ -54,6 +58,7 @@ from ..observe.status import JobStatus
 from ..runtime.channels import dtype_name
 from ..runtime.events import EventLog
 from ..runtime.supervisor import JobResult, JobState, Supervisor
+from ..train import feature_cache
 from ..train.checkpoint import (
     MANIFEST,
     STATE_FILE,
@@ -179,6 +184,12 @@ class Job:
                               "launch.py sets it from --nnodes or the torchrun/SLURM environment")
         self.pre = pre or preflight(cfg, node.rank, progress)
         self.target, self.schedule = self.pre.target, self.pre.schedule
+        self.cache: Optional[feature_cache.FeatureCache] = None
+        self.cache_plan = None
+        if cfg.target.feature_cache != "off":
+            with console.phase("plan the feature cache", progress):
+                self.cache_plan = feature_cache.plan_job(cfg, self.pre.dataset.lengths, self.pre.plan0,
+                                                         *self._feature_format())
         bulk = bulk_device(cfg, self.pre.devices.drafters[0]) if node.nodes > 1 else None
         with console.phase("build drafter", progress):
             model = build_drafter(cfg, self.target)      # checks drafter.init_from
@@ -207,6 +218,22 @@ class Job:
                 self.link.close()
             self.lock.release()
             raise
+
+    def _feature_format(self) -> tuple[int, str]:
+        """Width and dtype name of the target's features: the feature slots' and the cache's."""
+        dtype = resolve_dtype(self.cfg.target.dtype, torch.device(self.pre.devices.targets[0]))
+        return feature_width(self.cfg, self.target), dtype_name(dtype)
+
+    def _open_cache(self) -> None:
+        """The feature cache the targets share, for the job's life (a rollback keeps it:
+        its entries are the same bits whatever the attempt)."""
+        plan, whole = self.cache_plan
+        self.cache, line = feature_cache.open_job(self.cfg, plan, whole, self.pre.train_path, self.target.layer_ids,
+                                                  self.run_dir, self.cfg.topology.num_targets)
+        if line:
+            print(line, file=sys.stderr)
+        if self.progress:
+            print(self.cache.describe(), file=sys.stderr)
 
     def _fingerprint(self) -> dict:
         """What every node must agree on: the config's math, the data, the drafter."""
@@ -258,6 +285,11 @@ class Job:
         while True:
             if self.start.version == self.schedule.total_steps:
                 return self._finish(0, "already complete", {}, rollbacks)
+            if self.cache_plan is not None and self.cache is None:
+                try:
+                    self._open_cache()
+                except ConfigError as e:     # a disk that cannot hold it
+                    return self._finish(2, str(e), {}, rollbacks)
             result = self._attempt()
             if not isinstance(result.raised, RollbackRequired):
                 break
@@ -292,14 +324,16 @@ class Job:
     def _attempt(self) -> JobResult:
         """One supervisor run over this attempt's shared state."""
         cfg, sched, first = self.cfg, self.schedule, self.start.version
-        feature_dtype = dtype_name(resolve_dtype(cfg.target.dtype, torch.device(self.pre.devices.targets[0])))
-        width = feature_width(cfg, self.target)
-        stages = wiring.stages(cfg, sched, self.pre.devices, self.shared, self.pre.train_path, first)
+        width, feature_dtype = self._feature_format()
+        stages = wiring.stages(cfg, sched, self.pre.devices, self.shared, self.pre.train_path, first, self.cache)
         monitor = Monitor(cfg, sched, self.shared, first, self.progress)
         rings = wiring.rings(cfg, width, feature_dtype, self.pre.devices.features)
+        on_status = JobStatus(monitor, self.link)
+        if self.cache is not None:
+            on_status = with_cache_status(on_status, self.cache)
         sup = Supervisor(cfg.runtime, stages, rings, sched.total_batches,
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
-                         num_threads=cfg.train.num_threads, on_status=JobStatus(monitor, self.link))
+                         num_threads=cfg.train.num_threads, on_status=on_status)
         monitor.watch(sup.work_times, stages)
         if self.link is not None:
             sh = self.shared
@@ -356,6 +390,8 @@ class Job:
         dev, rt = self.pre.devices, self.cfg.runtime
         extra = {"placement": {"targets": list(dev.targets), "drafters": list(dev.drafters),
                                "feature_ring": dev.features, "grad_durability": rt.grad_durability}}
+        if self.cache is not None:
+            extra["feature_cache"] = self.cache.stats()
         if self.link is not None:
             store = self.shared.weights
             state = {0: "done", 130: "stopped"}.get(exit_code, "failed")
@@ -363,9 +399,19 @@ class Job:
         summary = report.finish(self.run_dir, reason, self.shared.weights.version, self.schedule.total_steps,
                                 self.start.version, self.shared.step_stats, time.perf_counter() - self.t0,
                                 restarts, rollbacks, self.progress, self.accounts, extra)
+        if self.cache is not None and self.progress:
+            print(self.cache.result_line(), file=sys.stderr)
         if exit_code and exit_code != 130:
             print(f"error: {reason}", file=sys.stderr)
         return RunResult(exit_code, reason, summary)
+
+
+def with_cache_status(hook, cache: feature_cache.FeatureCache):
+    """``hook``, then the ``feature_cache`` block of status.json: ``FeatureCache.stats``."""
+    def on_status(status: dict) -> None:
+        hook(status)
+        status["feature_cache"] = cache.stats()
+    return on_status
 
 
 def same_job(mine: dict, theirs: dict) -> list[str]:

@@ -12,6 +12,8 @@ Batch b is position i of epoch e's plan (``Schedule.locate``); batches after the
 full step of an epoch are dropped, so every step sees exactly A*M batches. Every
 batch's loss uses the weights of the step it belongs to, and its anchors are seeded by
 ``(train.seed, e, i, row)``: that is all the state the actors need to agree on.
+With ``target.feature_cache`` on, batch b's features come from the same cache plan as
+the pipeline's (``train.feature_cache``), kept in this process's memory.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from ..data.synthetic import train_path
 from ..eval.prepare import ensure_target_text
 from ..eval.tau import evaluate_drafter
 from ..models.drafter import DFlashDrafter, build_drafter
-from ..models.loss import BlockStats, batch_loss, decay_gamma
+from ..models.loss import BlockStats, Objective, batch_loss
 from ..models.target import load_target
+from ..runtime.channels import dtype_name
+from ..train import feature_cache
 from ..train.optim import build_optimizer, build_scheduler, reduce_and_step
 from ..train.schedule import Plans, Schedule
 
@@ -43,11 +47,9 @@ def shard_gradient(drafter: DFlashDrafter, head, items, cfg) -> tuple[list[torch
     in increasing batch id: zeroed grads, then ``loss_b.backward()`` for each. ``items``
     may be a generator; each item is used before the next is drawn."""
     drafter.zero_grad(set_to_none=False)
-    gamma, total = decay_gamma(cfg), None
+    objective, total = Objective.from_config(cfg), None
     for epoch, i, batch, features in items:
-        loss, stats = batch_loss(drafter, head, features, batch, num_anchors=cfg.train.num_anchors,
-                                 gamma=gamma, seed=cfg.train.seed, epoch=epoch, batch_id=i,
-                                 compute_dtype=cfg.train.compute_dtype)
+        loss, stats = batch_loss(drafter, head, features, batch, objective, epoch=epoch, batch_id=i)
         loss.backward()
         total = stats if total is None else total + stats
     return [p.grad.clone() for p in drafter.parameters()], total
@@ -61,25 +63,36 @@ class ReferenceResult:
     steps: int = 0
     tokens: int = 0
     wall_s: float = 0.0
+    feature_cache: dict | None = None    # FeatureCache.stats() with target.feature_cache on
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.wall_s, 1e-9)
 
 
-def _featured(schedule, plans, dataset, batch_ids, buf, target, device, result):
+def _featured(schedule, plans, dataset, batch_ids, buf, target, cache, device, result):
     """``(epoch, i, batch, features)`` per batch id; one buffer, so each batch is
-    assembled only after the previous one has been used."""
+    assembled only after the previous one has been used. With ``cache``
+    (``target.feature_cache``) the features go through the same cache logic as the
+    pipeline's targets, in this process's own memory, so both agree bit for bit."""
     for b in batch_ids:
         epoch, i = schedule.locate(b)
-        meta = assemble(dataset, plans[epoch].batch(i), buf)
+        ids = plans[epoch].batch(i)
+        meta = assemble(dataset, ids, buf)
         batch = Batch.from_buffers(buf, meta).to(device)
         result.tokens += meta.n_tokens
-        yield epoch, i, batch, target.features(batch)
+        if cache is None:
+            features = target.features(batch)
+        else:
+            features = cache.features(b, ids, buf.cu_seqlens[:meta.n_samples + 1], batch, target.features, device)
+        yield epoch, i, batch, features
 
 
-def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = True) -> ReferenceResult:
-    """Train a drafter in the exact order the actor pipeline follows (module docstring)."""
+def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = True,
+                    on_step=None) -> ReferenceResult:
+    """Train a drafter in the exact order the actor pipeline follows (module docstring).
+    ``on_step(step, drafter, target, metrics)``, if given, runs after each optimizer step
+    (the recipe bench measures held-out acceptance there); it must not change the drafter."""
     torch.set_num_threads(cfg.train.num_threads)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     target = load_target(cfg, device)
@@ -94,6 +107,10 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
     opt = build_optimizer(params, cfg.train)
     sched = build_scheduler(opt, cfg.train, n_steps)
     plans = Plans(cfg, dataset.lengths)
+    cache = None
+    if cfg.target.feature_cache != "off":
+        cache = feature_cache.in_process(cfg, dataset, plans, len(target.layer_ids) * target.hidden_size,
+                                         dtype_name(target.dtype))
     buf = BatchBuffers.allocate(cfg.batching.token_budget, cfg.batching.max_samples)
     result = ReferenceResult(state_dict={})
     t0 = time.perf_counter()
@@ -101,8 +118,8 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
         lr = opt.param_groups[0]["lr"]
         shard_grads, stats = [], None
         for j in range(schedule.num_drafters):
-            items = _featured(schedule, plans, dataset, schedule.drafter_batches(step, j), buf, target, device,
-                              result)
+            items = _featured(schedule, plans, dataset, schedule.drafter_batches(step, j), buf, target, cache,
+                              device, result)
             grads, st = shard_gradient(drafter, target, items, cfg)
             shard_grads.append(grads)
             stats = st if stats is None else stats + st
@@ -112,10 +129,14 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
         result.losses.append(m["loss"])
         result.metrics.append(m)
         result.steps += 1
+        if on_step is not None:
+            on_step(result.steps, drafter, target, m)
         if progress and (result.steps % 10 == 0 or result.steps == n_steps):
             print(f"step {result.steps}/{n_steps} loss {m['loss']:.4f} tau {m['tau']:.3f} "
                   f"lr {lr:.2e} |g| {norm:.3f}", file=sys.stderr, flush=True)
     result.wall_s = time.perf_counter() - t0
+    if cache is not None:
+        result.feature_cache = cache.stats()
     result.state_dict = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
     if run_dir is not None:
         out = Path(run_dir)
@@ -128,7 +149,8 @@ def _summary(r: ReferenceResult) -> dict:
     return {"steps": r.steps, "tokens": r.tokens, "wall_s": round(r.wall_s, 3),
             "tokens_per_s": round(r.tokens_per_s, 1), "first_loss": r.losses[0] if r.losses else None,
             "final_loss": r.losses[-1] if r.losses else None,
-            "final_tau": r.metrics[-1]["tau"] if r.metrics else None}
+            "final_tau": r.metrics[-1]["tau"] if r.metrics else None,
+            **({"feature_cache": r.feature_cache} if r.feature_cache is not None else {})}
 
 
 def main(argv=None) -> int:

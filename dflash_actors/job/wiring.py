@@ -21,6 +21,10 @@ benchmarks: the loader starts a step only once the previous one is committed, an
 targets and the drafters each start only once the whole step has reached them
 (``Stage.gather``). The math is the same; only the overlap goes.
 
+With ``target.feature_cache`` the job's cache (``train.feature_cache``: shared host
+memory or files in the run directory) is handed to every target in its spec, like a
+ring: it outlives their restarts.
+
 Placement (``resolve_devices``, ``feature_device``): targets on cuda:0..N-1 and drafters
 on cuda:N..N+M-1 when that many GPUs exist, else the CPU; the feature ring on the
 first drafter's GPU when every actor can reach it (``runtime.feature_transport``).
@@ -44,6 +48,7 @@ from ..config import Config, ConfigError
 from ..data.batching import ring_fields
 from ..runtime.channels import RingSpec
 from ..runtime.dispatch import Stage, in_order
+from ..train.feature_cache import FeatureCache
 from ..train.metrics import batch_table, step_table
 from ..train.params import GradAccumulators, ParamLayout, WeightStore
 from ..train.schedule import Schedule
@@ -146,7 +151,8 @@ def rings(cfg: Config, feature_width: int, feature_dtype: str, feature_device: s
 
 
 def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared, train_path: Path,
-           first_step: int) -> list[Stage]:
+           first_step: int, cache: Optional[FeatureCache] = None) -> list[Stage]:
+    """The four stages; ``cache``: the job's feature cache, which every target shares."""
     s = shared
     lockstep = cfg.runtime.schedule == "lockstep"
     gather = schedule.step_batches if lockstep else None
@@ -155,7 +161,8 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
               barrier=schedule.first_of_own_step if lockstep else None,
               spec=LoaderSpec(cfg, schedule, str(train_path))),
         Stage("target", Target, State.LOADED, State.FEATURED, count=cfg.topology.num_targets,
-              in_ring="batch", out_ring="features", credit=1, gather=gather, spec=TargetSpec(cfg, devices.targets)),
+              in_ring="batch", out_ring="features", credit=1, gather=gather,
+              spec=TargetSpec(cfg, devices.targets, schedule, cache)),
         Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=cfg.topology.num_drafters,
               in_ring="features", route=schedule.drafter_of, barrier=schedule.first_of_own_step, gather=gather,
               durable=schedule.is_last_for_drafter if cfg.runtime.grad_durability == "step" else None,

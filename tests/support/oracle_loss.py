@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from dflash_actors.models.drafter import sdpa_dense
 import torch.nn.functional as F
 
+from dflash_actors.models.drafter import sdpa_dense
 from dflash_actors.models.loss import BlockStats, slot_decay
 
 
