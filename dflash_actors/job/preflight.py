@@ -29,7 +29,7 @@ from ..data.dataset import TokenDataset, open_dataset
 from ..data.synthetic import train_path
 from ..models.head import TargetInfo, target_info
 from ..runtime.supervisor import check_faults
-from ..train import simulate
+from ..train import feature_cache, simulate
 from ..train.schedule import Schedule
 from . import rundir
 from .wiring import Devices, actor_classes, feature_device, resolve_devices
@@ -59,6 +59,7 @@ def check_data(cfg: Config, progress: bool = True) -> DataCheck:
     """The checks that do not depend on the topology, and the first epoch's plan."""
     rundir.check(cfg.runtime.run_dir)
     simulate.check(cfg)
+    feature_cache.check(cfg)
     if cfg.eval.every and cfg.eval.data is not None:
         open_dataset(cfg.data, progress=False, path=cfg.eval.data)     # bad held-out data: exit 2 now
     if cfg.eval.every and cfg.eval.device.startswith("cuda") and int(cfg.eval.device[5:]) >= torch.cuda.device_count():

@@ -37,6 +37,11 @@ key to be missing, as files from older runs lack newer keys)::
     cluster             (the job's, over several machines) {nodes, rank, master,
                         steps_exchanged, exchange_ms_last, exchange_ms_mean,
                         replica_checks, failure, waiting_for: {nodes, s} or null}
+    feature_cache       (the job's, with ``target.feature_cache`` on; ``FeatureCache.stats``)
+                        {mode, samples_cached, samples, bytes, entries_present, batches,
+                        forwards_skipped, samples_repeated, samples_served, misses,
+                        first_batches_recomputed, samples_stored, hit_rate, forward_s,
+                        forward_saved_s}
 """
 
 from __future__ import annotations

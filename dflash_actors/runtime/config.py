@@ -144,6 +144,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], path)
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} & set(args):
+            # YAML reads a bare off / on (also no / yes) as a boolean: the word was meant.
+            value = "on" if value else "off"
         if value not in args:
             raise ConfigError(f"{path}: must be one of {list(args)} (got {value!r})")
         return value

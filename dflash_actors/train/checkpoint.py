@@ -46,6 +46,7 @@ RESUME_FREE = ("runtime.", "topology.num_targets", "topology.target_devices",
                "topology.drafter_devices", "train.checkpoint_every", "train.max_bad_steps", "data.cache_dir",
                "target.self_check", "eval.", "monitor.")
 NOT_FREE = ("runtime.simulate.",)
+CACHE_KEY = "target.feature_cache"
 """Exceptions to RESUME_FREE: simulated gradients are not the real ones."""
 
 
@@ -286,6 +287,11 @@ def math_changes(saved: dict, current: dict) -> list[str]:
     """Config keys whose change would make a resumed run differ from an uninterrupted one."""
     a, b = _flatten(saved), _flatten(current)
     a[PER_STEP], b[PER_STEP] = _per_step(a), _per_step(b)
+    # Where the feature cache lives is not math (memory and disk hold the same bits);
+    # whether there is one is (a cached sample keeps its first batch's rounding).
+    for d in (a, b):
+        if CACHE_KEY in d:
+            d[CACHE_KEY] = d[CACHE_KEY] != "off"
     keys = sorted(set(a) | set(b))
     return [k for k in keys if a.get(k) != b.get(k) and k not in PER_STEP_PARTS
             and (not k.startswith(RESUME_FREE) or k.startswith(NOT_FREE))]

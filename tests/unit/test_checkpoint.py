@@ -83,3 +83,11 @@ def test_math_changes_are_named():
     # Simulated compute fakes the gradients: a real run cannot continue as a simulated one.
     sim = load_config(None, ["runtime.simulate.enabled=true"]).to_dict()
     assert math_changes(a, sim) == ["runtime.simulate.enabled"]
+
+
+def test_the_feature_cache_may_move_but_not_come_or_go():
+    """memory and disk hold the same bits; a cache on or off changes them (a cached
+    sample keeps its first batch's rounding)."""
+    mem, disk, off = (load_config(None, [f"target.feature_cache={v}"]).to_dict() for v in ("memory", "disk", "off"))
+    assert math_changes(mem, disk) == []
+    assert math_changes(off, mem) == math_changes(disk, off) == ["target.feature_cache"]

@@ -155,3 +155,11 @@ def test_updated_applies_data_and_validates_again():
         base.updated({"train.grad_accum": 0})
     with pytest.raises(ConfigError, match="topology.target_devices: needs 2 entries"):
         base.updated({"topology.num_targets": 2})
+
+
+def test_off_is_a_word_not_a_boolean():
+    """YAML reads a bare ``off`` as False; choices spelled off mean the word."""
+    cfg = load_config(ROOT / "configs/default.yaml", ["target.feature_cache=off", "monitor.console=off"])
+    assert cfg.target.feature_cache == "off" and cfg.monitor.console == "off"
+    with pytest.raises(ConfigError, match="must be one of"):
+        load_config(ROOT / "configs/default.yaml", ["target.feature_cache=on"])
