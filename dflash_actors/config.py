@@ -143,7 +143,7 @@ class DrafterConfig:
     block_size: int = checked(16, at_least(2))
     target_layer_ids: Optional[tuple[int, ...]] = None
     """Target layers whose outputs feed the drafter; None = build_target_layer_ids."""
-    init: Literal["random", "target"] = "random"
+    init: Literal["random", "target"] = "target"
     """How a new drafter starts (``init_from`` wins over both). ``random``: normal(0.02)
     linears and unit norms, as every public trainer starts. ``target``: its layers copied
     from the target layers right after the deepest feature layer, ``fc`` passing that
