@@ -1,6 +1,6 @@
 """Recipes at equal steps on SmolLM2-135M: the anchors' recipe against each option.
 
-    python -m benchmarks.bench_recipe [--steps 200] [--variants anchors,init_target,...]
+    python -m benchmarks.recipes [--steps 200] [--variants anchors,init_target,...]
 
 Every variant trains with the single-process reference trainer (the pipeline's exact
 math) from the same data, seed and schedule, one thread, and differs only in its
