@@ -503,7 +503,8 @@ def test_fused_head_equals_checkpointed(setup, monkeypatch, chunk):
     for batch, anchors in oracle_cases()[:2]:
         feats = target.features(batch)
         for weighting in ("decay", "dpace"):
-            runs = [loss_and_grads(lambda *a, how=how, pw=weighting: L.dflash_loss(*a, head_loss=how, position_weight=pw),
+            runs = [loss_and_grads(lambda *a, how=how, pw=weighting: L.dflash_loss(*a, head_loss=how,
+                                                                                   position_weight=pw),
                                    d, target, feats, batch, anchors) for how in ("fused", "checkpointed")]
             (loss, grads, stats), (want, want_grads, want_stats) = runs
             torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
