@@ -137,7 +137,10 @@ def main(argv=None) -> dict:
            "per_position_trained": res["trained"]["real"]["per_position"],
            "simulated_per_position_trained": res["trained"]["simulated"]["per_position"],
            "tokens_per_target_call": round(res["trained"]["real"]["tokens_per_target_call"], 3),
-           "lossless": all(r["real"]["lossless"] for r in res.values()),
+           # Baselines are replayed on the target's greedy text (no decode, so no lossless
+           # verdict: None); every proposer that was decoded must have been lossless.
+           "lossless": bool(res["trained"]["real"]["lossless"])
+           and all(r["real"]["lossless"] is not False for r in res.values()),
            "sim_vs_real": res["trained"]["sim_vs_real"],
            "all": {k: {"real_tau": round(v["real"]["tau"], 3), "simulated_tau": round(v["simulated"]["tau"], 3)}
                    for k, v in res.items()},

@@ -7,7 +7,8 @@ Contract:
   produces  one ``{"kind": "eval", ...}`` line in ``<run_dir>/metrics.jsonl`` per
             evaluated version: simulated tau and per-position conditional acceptance on
             the held-out split, and real speculative-decoding tau on its first
-            ``eval.real_prompts`` prompts
+            ``eval.real_prompts`` prompts, replayed on the target's greedy text of
+            those prompts (``tau.replayed_tau``; ``launch.py evaluate`` decodes for real)
   when      once a multiple of ``eval.every`` optimizer steps is reached, on the newest
             published version then (the only one whose weights are still held);
             one that falls behind skips ahead rather than queueing
@@ -18,6 +19,14 @@ Contract:
 Why its own process and not "between steps": an evaluation of a real model takes
 seconds to minutes; between steps, every drafter would wait for it. Here it competes
 only for CPU (it runs at a lower priority) or its own ``eval.device``.
+
+What a version costs: only the drafter. The held-out texts' target features, and the
+target's greedy continuation of the real-tau prompts with its features, are computed
+once at the start; real tau then follows from the drafter's blocks on that text, as in
+decoding (lossless decoding verifies exactly that text), without the target forward per
+verify step that decoding for real costs. On SmolLM2 a version takes about 5 s of one
+CPU thread (90 s when it decoded for real) and about 45 s beside training on 2 cores at
+this lower priority (docs/watching.md).
 
 Weights are read without a lock, seqlock style: version v lives in buffer v % 2 and the
 optimizer rewrites that buffer only while building v + 2, which it cannot start before
@@ -41,7 +50,7 @@ from ..data.synthetic import ensure_synthetic_dataset
 from ..models.drafter import build_drafter
 from ..models.target import load_target
 from ..runtime.boot import Deferred, boot
-from .tau import completion_mask, drafter_correct, real_tau, text_metrics
+from .tau import TargetTexts, completion_mask, drafter_correct, replayed_tau, text_features, text_metrics
 
 POLL_S = 0.5
 
@@ -60,9 +69,10 @@ def snapshot(store, version: int) -> torch.Tensor | None:
 
 
 class HeldOut:
-    """The held-out texts with their target features, computed once."""
+    """The held-out texts with their target features, and the target's greedy text of the
+    first ``real_prompts`` prompts (``TargetTexts``) with its features, computed once."""
 
-    def __init__(self, cfg, target, max_samples: int):
+    def __init__(self, cfg, target, max_samples: int, real_prompts: int, max_new_tokens: int):
         ds = open_dataset(cfg.data, progress=False, path=heldout_path(cfg))
         self.items = []
         for i in range(min(len(ds), max_samples)):
@@ -71,8 +81,12 @@ class HeldOut:
                 continue
             first = int(np.argmax(mask))
             ids_t = torch.from_numpy(ids.astype(np.int64))
-            _, feats = target.logits_and_hidden(ids_t[None].to(target.device))
-            self.items.append((ids_t, first, feats[0]))
+            self.items.append((ids_t, first, text_features(target, ids_t)))
+        self.real, self.real_feats = None, []
+        if real_prompts:
+            prompts = [ids[:first] for ids, first, _ in self.items[:real_prompts]]
+            self.real = TargetTexts.greedy(target, prompts, max_new_tokens, cfg.drafter.block_size, ())
+            self.real_feats = [text_features(target, x) for x in self.real.texts]
 
 
 def heldout_path(cfg) -> Path:
@@ -83,14 +97,15 @@ def heldout_path(cfg) -> Path:
 
 
 @torch.no_grad()
-def evaluate_version(drafter, target, heldout: HeldOut, cfg) -> dict:
+def evaluate_version(drafter, target, heldout: HeldOut) -> dict:
     correct, valid = zip(*(drafter_correct(drafter, target, ids, completion_mask(len(ids), first), feats)
                            for ids, first, feats in heldout.items))
     out = {"simulated": text_metrics(np.concatenate(correct), np.concatenate(valid))}
-    n = cfg.eval.real_prompts
-    if n:
-        prompts = [ids[:first] for ids, first, _ in heldout.items[:n]]
-        r = real_tau(drafter, target, prompts, cfg.eval.max_new_tokens, check_lossless="none")
+    tt = heldout.real
+    if tt is not None:
+        rows = [drafter_correct(drafter, target, x, completion_mask(len(x), len(p)), f)
+                for p, x, f in zip(tt.prompts, tt.texts, heldout.real_feats)]
+        r = replayed_tau(rows, tt, drafter.block_size)
         out["real"] = {k: r[k] for k in ("tau", "tau_pooled", "per_position", "verify_steps")}
     return out
 
@@ -105,7 +120,7 @@ def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, p
     target = load_target(cfg, cfg.eval.device)
     drafter = build_drafter(cfg, target).eval()
     params = list(drafter.parameters())
-    heldout = HeldOut(cfg, target, cfg.eval.max_samples)
+    heldout = HeldOut(cfg, target, cfg.eval.max_samples, cfg.eval.real_prompts, cfg.eval.max_new_tokens)
     due = due_versions(first_version, last_version, cfg.eval.every)
     path = Path(run_dir) / "metrics.jsonl"
     while due and os.getppid() == parent:
@@ -124,7 +139,7 @@ def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, p
                 p.copy_(w)
         t = time.perf_counter()
         line = {"kind": "eval", "step": v, "time": round(time.time(), 3),
-                **evaluate_version(drafter, target, heldout, cfg)}
+                **evaluate_version(drafter, target, heldout)}
         line["wall_s"] = round(time.perf_counter() - t, 2)
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -5,7 +5,10 @@
   slots, averaged over blocks (``simulated_tau`` over a dataset in batches,
   ``drafter_correct`` + ``text_metrics`` over one text).
 * Real tau is what ``decode.speculative_generate`` achieves: tokens per verify step,
-  counted as z-lab's benchmark counts them (``real_tau``).
+  counted as z-lab's benchmark counts them (``real_tau``, ``decode_stats``). As lossless
+  decoding verifies exactly the target's greedy text, it can also be replayed from a
+  proposer's drafts against that text, computed once (``TargetTexts``, ``replayed_tau``),
+  at the proposer's cost alone.
 * The two agree only on the target's own text, since decoding visits the target's
   greedy continuation: ``evaluate_drafter`` measures both on held-out prompts
   continued by the target (``prepare.regenerate``), and ``walk_tau`` replays real
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,12 +30,16 @@ from ..models.drafter import build_drafter
 from ..models.loss import all_anchors, anchor_candidates, block_hidden, block_labels, decay_gamma, dflash_loss
 from ..models.target import ensure_target, load_target
 from .decode import (
+    EXACT_ROWS,
+    DrafterBlocks,
+    Generation,
     conditional_acceptance,
     cut_at_stop,
-    drafter_proposer,
     greedy_cached,
     greedy_generate,
-    speculative_generate,
+    greedy_rows,
+    replay,
+    speculative_generate_rows,
 )
 from .prepare import prompts_of, regenerate
 
@@ -70,54 +78,100 @@ def walk_tau(drafter, target, dataset) -> float:
 
 
 def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
-             stop_ids: tuple[int, ...] = (), propose_for=None, check_lossless: str = "full",
-             texts: list | None = None, references: list | None = None) -> dict:
-    """Real speculative decoding over ``prompts``.
+             stop_ids: tuple[int, ...] = (), check_lossless: str = "full", references: list | None = None) -> dict:
+    """Real speculative decoding of ``drafter`` from ``prompts``, all prompts' verify steps
+    batched (``decode.speculative_generate_rows``: each prompt decodes as it would alone),
+    summed up by ``decode_stats``.
+
+    ``references``: the target's greedy texts of ``prompts`` to check losslessness
+    against, if known; else ``check_lossless`` says how to get them: "full", cache-free
+    greedy decoding (exact, slow), "cached", cached greedy decoding (what serving
+    compares), "none" skips the check.
+    """
+    t = time.perf_counter()
+    gens = speculative_generate_rows(DrafterBlocks(drafter, target, len(prompts)), target, prompts,
+                                     max_new_tokens, drafter.block_size, stop_ids)
+    spec_s = time.perf_counter() - t
+    if references is None:
+        if check_lossless == "full":
+            references = [cut_at_stop(greedy_generate(target, p, max_new_tokens), len(p), stop_ids) for p in prompts]
+        elif check_lossless == "cached":
+            references = [greedy_cached(target, p, max_new_tokens, stop_ids)[0] for p in prompts]
+        else:
+            references = [g.ids for g in gens]
+    out = decode_stats(gens, [len(p) for p in prompts], max_new_tokens, drafter.block_size, references)
+    out["spec_s"] = round(spec_s, 2)
+    return out
+
+
+def decode_stats(gens: list[Generation], prompt_lens: list[int], max_new_tokens: int, block_size: int,
+                 references: list) -> dict:
+    """Real tau of generations, one per prompt.
 
     ``tau`` is z-lab's figure: per prompt the mean tokens per verify step (the last step
     in full), then the mean over prompts. ``tau_pooled`` pools every verify step;
     ``tau_clipped`` counts only tokens within ``max_new_tokens`` (what replaying
-    simulated acceptances over the same text gives, see ``walk_tau``).
-    ``check_lossless``: "full" compares with cache-free greedy decoding (exact, slow),
-    "cached" with cached greedy decoding (what serving compares), "none" skips it.
+    simulated acceptances over the same text gives, see ``walk_tau``). ``lossless``
+    compares each output with its entry of ``references``.
     """
-    per_prompt, pooled, accepted = [], [], []
-    clipped_tokens = clipped_steps = 0
-    lossless, calls, generated = 0, 0, 0
-    t_spec = 0.0
-    B = drafter.block_size
-    for p in prompts:
-        propose = propose_for(p) if propose_for is not None else drafter_proposer(drafter, target)
-        t = time.perf_counter()
-        g = speculative_generate(propose, target, p, max_new_tokens, B, stop_ids)
-        t_spec += time.perf_counter() - t
-        per_prompt.append(float(np.mean(g.lengths)))
+    pooled, accepted = [], []
+    clipped_tokens = clipped_steps = calls = generated = 0
+    for g, P in zip(gens, prompt_lens):
         pooled += g.lengths
         accepted += g.accepted
-        end = len(p) + max_new_tokens
+        end = P + max_new_tokens
         inside = [(s, n) for s, n in zip(g.starts, g.lengths) if s < end - 1]
         clipped_tokens += sum(min(n, end - 1 - s) for s, n in inside)
         clipped_steps += len(inside)
         calls += g.target_calls
-        generated += len(g.ids) - len(p)
-        if references is not None:
-            want = references[len(per_prompt) - 1]
-        elif check_lossless == "full":
-            want = cut_at_stop(greedy_generate(target, p, max_new_tokens), len(p), stop_ids)
-        elif check_lossless == "cached":
-            want, _ = greedy_cached(target, p, max_new_tokens, stop_ids)
-        else:
-            want = g.ids
-        lossless += bool(torch.equal(g.ids, want))
-        if texts is not None:
-            texts.append(want)
-    return {"tau": float(np.mean(per_prompt)), "tau_pooled": float(np.mean(pooled)),
+        generated += len(g.ids) - P
+    lossless = sum(torch.equal(g.ids, r) for g, r in zip(gens, references))
+    return {"tau": float(np.mean([np.mean(g.lengths) for g in gens])), "tau_pooled": float(np.mean(pooled)),
             "tau_clipped": clipped_tokens / max(1, clipped_steps),
-            "per_position": conditional_acceptance(accepted, B - 1),
-            "verify_steps": len(pooled), "prompts": len(prompts),
-            "lossless": lossless == len(prompts), "lossless_prompts": lossless,
-            "generated_tokens": generated, "tokens_per_target_call": generated / max(calls, 1),
-            "spec_s": round(t_spec, 2)}
+            "per_position": conditional_acceptance(accepted, block_size - 1),
+            "verify_steps": len(pooled), "prompts": len(gens),
+            "lossless": lossless == len(gens), "lossless_prompts": lossless,
+            "generated_tokens": generated, "tokens_per_target_call": generated / max(calls, 1)}
+
+
+@dataclass
+class TargetTexts:
+    """The target's greedy continuation of each prompt, computed once for every proposer."""
+
+    prompts: list[torch.Tensor]
+    texts: list[torch.Tensor]
+    """Prompt and ``max_new_tokens + block_size - 1`` greedy tokens, past stop tokens:
+    as far as a verify step of the last block sees (what ``replay`` needs)."""
+    references: list[torch.Tensor]
+    """``texts`` cut as decoding's output is: at ``max_new_tokens``, after a stop token."""
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+
+    @classmethod
+    def greedy(cls, target, prompts: list[torch.Tensor], max_new_tokens: int, block_size: int,
+               stop_ids: tuple[int, ...]) -> "TargetTexts":
+        texts = greedy_rows(target, prompts, max_new_tokens + block_size - 1)
+        refs = [cut_at_stop(t[:len(p) + max_new_tokens], len(p), stop_ids) for p, t in zip(prompts, texts)]
+        return cls(prompts, texts, refs, max_new_tokens, stop_ids)
+
+
+def replayed_tau(rows: list[tuple[np.ndarray, np.ndarray]], tt: TargetTexts, block_size: int) -> dict:
+    """``decode_stats`` of speculative decoding replayed (``decode.replay``) on the target's
+    texts, from a proposer's per-prompt ``(correct, valid)`` over ``tt.texts``: what decoding
+    the prompts for real gives, at the cost of the proposer alone. Its output is the
+    target's text by construction, so its ``lossless`` holds trivially: decoding for real
+    (``real_tau``) is what can prove it."""
+    lens = [len(p) for p in tt.prompts]
+    gens = [replay(c, t, P, tt.max_new_tokens, tt.stop_ids) for (c, _), t, P in zip(rows, tt.texts, lens)]
+    return decode_stats(gens, lens, tt.max_new_tokens, block_size, tt.references)
+
+
+def clip_rows(correct: np.ndarray, valid: np.ndarray, prompt_len: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-anchor rows over a text (anchors ``prompt_len..``) cut to its first ``length``
+    tokens: what ``drafter_correct`` / ``proposer_correct`` give on the shorter text."""
+    n = max(length - 1 - prompt_len, 0)
+    inside = prompt_len + np.arange(n)[:, None] + 1 + np.arange(correct.shape[1])[None] < length
+    return correct[:n] & inside, valid[:n] & inside
 
 
 def completion_entropy(dataset) -> float:
@@ -167,22 +221,40 @@ def completion_mask(length: int, prompt_len: int) -> np.ndarray:
 
 
 @torch.no_grad()
+def text_features(target, ids: torch.Tensor) -> torch.Tensor:
+    """Target features ``[L, k*H]`` of one whole text, as training computes them."""
+    L = len(ids)
+    batch = Batch(ids.to(target.device), torch.arange(L, device=target.device),
+                  torch.ones(L, dtype=torch.int8, device=target.device), torch.tensor([0, L], dtype=torch.int32), L)
+    return target.features(batch)
+
+
+@torch.no_grad()
 def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
                     feats: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(correct, valid)`` ``[A, B-1]``: per anchor (``anchor_candidates(mask)``), whether
-    each draft slot equals the text. This is the training objective's view: the features
-    of the whole text (``feats``, computed here if not given), each block seeing only the
-    positions before its anchor."""
+    each draft slot equals the text, up to the first slot that does not (every later one
+    reads False: no metric counts past it, and skipping its vocabulary head, most of the
+    cost, makes this several times cheaper for a drafter that accepts little). This is the
+    training objective's view: the features of the whole text (``feats``,
+    ``text_features`` if not given), each block seeing only the positions before its anchor."""
     ids_t = ids.to(target.device)
-    L = len(ids)
-    batch = Batch(ids_t, torch.arange(L, device=target.device), torch.from_numpy(mask).to(target.device),
-                  torch.tensor([0, L], dtype=torch.int32), L)
     anchors = torch.from_numpy(anchor_candidates(mask)).to(target.device)
-    feats = target.features(batch) if feats is None else feats.to(target.device)
+    feats = text_features(target, ids_t) if feats is None else feats.to(target.device)
     hidden = block_hidden(drafter, target.embed_tokens, drafter.context(feats.to(drafter.fc.weight.dtype)),
-                          ids_t, anchors)
-    labels, valid = block_labels(ids_t, batch.loss_mask, anchors, drafter.block_size)
-    correct = (target.lm_head(hidden.to(target.dtype)).argmax(-1) == labels) & valid
+                          ids_t, anchors).to(target.dtype)
+    labels, valid = block_labels(ids_t, torch.from_numpy(mask).to(target.device), anchors, drafter.block_size)
+    correct = torch.zeros_like(valid)
+    alive = valid[:, 1]                 # slot 0 is the anchor itself, never a draft
+    for k in range(1, drafter.block_size):
+        rows = alive.nonzero()[:, 0]
+        if not len(rows):
+            break
+        # Padded to EXACT_ROWS so that each row's logits are those of the whole-text head.
+        padded = torch.cat([rows, rows[:1].expand(max(0, EXACT_ROWS - len(rows)))])
+        correct[rows, k] = target.lm_head(hidden[padded, k]).argmax(-1)[:len(rows)] == labels[rows, k]
+        if k + 1 < drafter.block_size:
+            alive = correct[:, k] & valid[:, k + 1]
     return correct[:, 1:].cpu().numpy(), valid[:, 1:].cpu().numpy()
 
 

@@ -154,3 +154,184 @@ def test_evaluator_snapshot_discards_a_recycled_buffer():
     assert snapshot(store, 4) is not None
     store.publish(6, params, None, None)
     assert snapshot(store, 4) is None
+
+
+# -- fast evaluation: batched forwards and replays must change cost, not results ----------
+
+
+def heldout_prompts(cfg, n):
+    heldout = open_dataset(cfg.data, progress=False, path=ensure_synthetic_dataset(cfg.data)[1])
+    return [torch.from_numpy(heldout.sample(i)[0][:int(np.argmax(heldout.sample(i)[1]))]) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def fitted(setup):
+    """A drafter fitted for a moment to the target's greedy text of held-out prompts: it
+    drafts some blocks right for several slots and others not (real tau about 2.5)."""
+    from dflash_actors.data.batching import Batch
+    from dflash_actors.models.loss import all_anchors, dflash_loss
+    cfg, target, _ = setup
+    prompts = heldout_prompts(cfg, 6)
+    texts = [greedy_cached(target, p, 32)[0] for p in prompts]
+    lens = [len(x) for x in texts]
+    batch = Batch(torch.cat(texts), torch.cat([torch.arange(n) for n in lens]),
+                  torch.cat([torch.tensor([0] * len(p) + [1] * 32, dtype=torch.int8) for p in prompts]),
+                  torch.tensor(np.cumsum([0] + lens), dtype=torch.int32), max(lens))
+    feats, anchors = target.features(batch), all_anchors(batch)
+    torch.manual_seed(0)
+    drafter = build_drafter(cfg, target)
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(20):
+        loss, _ = dflash_loss(drafter, target, feats, batch, anchors, 4.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+def test_rows_forward_equals_each_row_alone(setup):
+    """``extend_rows`` batches the matrix products of generations with caches of different
+    lengths: every row's logits, features and cache must be bit for bit those of
+    ``TargetModel.extend`` alone, verify step after verify step (with crops between)."""
+    from transformers import DynamicCache
+
+    from dflash_actors.eval.decode import extend_rows
+    _, target, _ = setup
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.vocab_size, (n,), generator=g) for n in (3, 11, 6, 17)]
+    rows, alone, starts = [], [], []
+    for p in prompts:
+        rows.append(DynamicCache())
+        alone.append(DynamicCache())
+        target.extend(p, 0, rows[-1])
+        target.extend(p, 0, alone[-1])
+        starts.append(len(p))
+    for step in range(3):
+        block = torch.randint(0, target.vocab_size, (len(prompts), B), generator=g)
+        logits, feats = extend_rows(target, block, starts, rows)
+        for r in range(len(prompts)):
+            want_logits, want_feats = target.extend(block[r], starts[r], alone[r])
+            assert torch.equal(logits[r], want_logits) and torch.equal(feats[r], want_feats), (step, r)
+            assert all(torch.equal(a.keys, b.keys) for a, b in zip(rows[r].layers, alone[r].layers))
+            keep = 1 + (step + r) % B
+            starts[r] += keep
+            if keep < B:
+                rows[r].crop(keep - B)
+                alone[r].crop(keep - B)
+
+
+@pytest.mark.parametrize("block", [B, 3])      # 3: verify blocks and heads too small to batch exactly
+def test_batched_decoding_and_greedy_equal_one_prompt_at_a_time(setup, block):
+    from dflash_actors.eval.decode import DrafterBlocks, greedy_rows, speculative_generate_rows
+    cfg, target, drafter = setup
+    if block != B:
+        drafter = build_drafter(cfg.updated({"drafter.block_size": block}), target)
+    prompts = [PROMPT, PROMPT[:3], torch.tensor([9, 200, 31, 7, 77, 3, 150, 12, 64, 5])]
+    want = greedy_generate(target, PROMPT, 20)
+    stop = (int(want[len(PROMPT) + 9]),)
+    gens = speculative_generate_rows(DrafterBlocks(drafter, target, len(prompts)), target, prompts, 20, block, stop)
+    for p, g in zip(prompts, gens):
+        one = speculative_generate(drafter_proposer(drafter, target), target, p, 20, block, stop)
+        assert torch.equal(g.ids, one.ids) and (g.lengths, g.starts) == (one.lengths, one.starts)
+    assert len(gens[0].ids) < len(PROMPT) + 20         # the stop token was hit
+    for p, text in zip(prompts, greedy_rows(target, prompts, 20)):
+        assert torch.equal(text, greedy_cached(target, p, 20)[0])
+
+
+def test_replay_walks_like_decoding():
+    """Anchors at 3, 4, 7; the last step sees past ``max_new_tokens`` (counted in full),
+    and a verified stop token ends decoding, even one that is only the next anchor."""
+    from dflash_actors.eval.decode import replay
+    text = torch.arange(20)
+    correct = np.zeros((16, 3), bool)
+    correct[1] = [True, True, False]            # anchor 4: two accepted
+    correct[4, :] = True                        # anchor 7: all three
+    g = replay(correct, text, 3, 6)
+    assert (g.starts, g.lengths) == ([3, 4, 7], [1, 3, 4]) and torch.equal(g.ids, text[:9])
+    g = replay(correct, text, 3, 6, stop_ids=(7,))
+    assert (g.starts, g.lengths) == ([3, 4], [1, 3]) and torch.equal(g.ids, text[:8])
+    g = replay(correct, text, 3, 6, stop_ids=(6,))
+    assert (g.starts, g.lengths) == ([3, 4], [1, 3]) and torch.equal(g.ids, text[:7])
+    with pytest.raises(ValueError, match="verifies"):
+        replay(correct, text[:11], 3, 6)
+
+
+def test_drafter_correct_stops_at_the_first_wrong_slot(setup, fitted):
+    """The vocabulary head runs only while a block is still right; what it returns equals
+    the whole head's verdict up to each block's first wrong slot."""
+    from dflash_actors.eval.tau import drafter_correct
+    from dflash_actors.models.loss import anchor_candidates, block_hidden, block_labels
+    cfg, target, _ = setup
+    drafter = fitted
+    prompt = heldout_prompts(cfg, 1)[0]
+    ids = greedy_generate(target, prompt, 40)
+    mask = np.r_[np.zeros(len(prompt)), np.ones(40)].astype(np.int8)
+    correct, valid = drafter_correct(drafter, target, ids, mask)
+    _, feats = target.logits_and_hidden(ids[None])
+    anchors = torch.from_numpy(anchor_candidates(mask))
+    hidden = block_hidden(drafter, target.embed_tokens, drafter.context(feats[0]), ids, anchors)
+    labels, v = block_labels(ids, torch.from_numpy(mask), anchors, B)
+    full = ((target.lm_head(hidden).argmax(-1) == labels) & v)[:, 1:].numpy()
+    assert np.array_equal(valid, v[:, 1:].numpy())
+    assert np.array_equal(correct, np.cumprod(full, axis=1).astype(bool))
+    lead = np.cumprod(full, axis=1).sum(1)
+    assert (lead >= 2).any() and (full.sum(1) > lead).any()     # long runs, and right slots after a miss
+
+
+def old_parity(target, proposers, prompts, max_new_tokens, stop_ids):
+    """The evaluation as it was: every proposer decodes every prompt for real, alone,
+    checked against cached greedy decoding; the simulated half over that text."""
+    from dflash_actors.eval.tau import completion_mask, decode_stats, drafter_correct, proposer_correct, text_metrics
+    refs = [greedy_cached(target, p, max_new_tokens, stop_ids)[0] for p in prompts]
+    out = {}
+    for name, (drafter, propose) in proposers.items():
+        gens, correct, valid = [], [], []
+        for p, ref in zip(prompts, refs):
+            gens.append(speculative_generate(propose or drafter_proposer(drafter, target), target, p,
+                                             max_new_tokens, B, stop_ids))
+            c, v = (proposer_correct(propose, ref, len(p), B) if propose else
+                    drafter_correct(drafter, target, ref, completion_mask(len(ref), len(p))))
+            correct.append(c)
+            valid.append(v)
+        out[name] = {"real": decode_stats(gens, [len(p) for p in prompts], max_new_tokens, B, refs),
+                     "simulated": text_metrics(np.concatenate(correct), np.concatenate(valid))}
+    return out
+
+
+@pytest.mark.parametrize("stop", [(), (219,)])
+def test_fast_evaluation_equals_the_old_path(setup, fitted, stop):
+    """``parity_report`` decodes only the trained drafter for real (batched) and replays
+    the rest on the target's text computed once: every figure must equal the old path's.
+    Stop token 219 is in the tiny target's repeating greedy loops: most texts end early."""
+    from dflash_actors.eval.decode import NgramProposer, repeat_proposer
+    from dflash_actors.eval.parity import parity_report
+    cfg, target, untrained = setup
+    prompts = heldout_prompts(cfg, 8)         # 6 the fitted drafter saw, 2 it did not
+    ngram = NgramProposer(open_dataset(cfg.data, progress=False, path=ensure_synthetic_dataset(cfg.data)[0]), B)
+    proposers = {"trained": (fitted, None), "untrained": (untrained, None), "ngram": (None, ngram),
+                 "repeat": (None, repeat_proposer(B))}
+    old = old_parity(target, proposers, prompts, 24, stop)
+    new = parity_report(target, prompts, {"trained": fitted, "untrained": untrained},
+                        {"ngram": ngram, "repeat": repeat_proposer(B)}, 24, stop, log=lambda m: None)["results"]
+    keys = ("tau", "tau_pooled", "tau_clipped", "per_position", "verify_steps", "generated_tokens",
+            "tokens_per_target_call")
+    for name in proposers:
+        assert {k: new[name]["real"][k] for k in keys} == {k: old[name]["real"][k] for k in keys}, name
+        assert new[name]["simulated"] == old[name]["simulated"], name
+    assert new["trained"]["real"]["lossless_prompts"] == old["trained"]["real"]["lossless_prompts"] == len(prompts)
+    assert new["trained"]["real"]["replayed_tau"] == new["trained"]["real"]["tau"]
+    assert new["ngram"]["real"]["decoded"] == "replayed" and new["trained"]["real"]["decoded"] == "real"
+    assert old["trained"]["real"]["tau"] > 1.5 and old["ngram"]["real"]["tau"] > 1.5     # long acceptances
+    assert (old["trained"]["real"]["generated_tokens"] < 24 * len(prompts)) == bool(stop)
+
+
+def test_evaluator_real_tau_is_what_decoding_gives(setup, fitted):
+    """The periodic evaluator replays decoding on the target's text of its prompts,
+    computed once; its figures must be those of decoding the prompts for real."""
+    from dflash_actors.eval.evaluator import HeldOut, evaluate_version
+    cfg, target, _ = setup
+    heldout = HeldOut(cfg, target, 8, 4, 16)
+    got = evaluate_version(fitted, target, heldout)["real"]
+    want = real_tau(fitted, target, [ids[:first] for ids, first, _ in heldout.items[:4]], 16, check_lossless="none")
+    assert got == {k: want[k] for k in got} and got["tau"] > 1.5
+    assert "real" not in evaluate_version(fitted, target, HeldOut(cfg, target, 8, 0, 16))
