@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     real = real_tau(drafter, target, [p for p, _ in prompts_of(texts)], 64, stops, check_lossless="cached")
     B = cfg.drafter.block_size
     out = {"bench": "overfit", "target": "SmolLM2-135M-Instruct", "prompts": args.prompts, "steps": result.steps,
-           "block_size": B, "final_loss": round(result.losses[-1], 4), "training_tau": round(result.metrics[-1]["tau"], 3),
+           "block_size": B, "final_loss": round(result.losses[-1], 4),
+           "training_tau": round(result.metrics[-1]["tau"], 3),
            "real_tau": round(real["tau"], 3), "lossless": real["lossless"], "gate": 0.9 * B,
            "passed": bool(real["lossless"] and real["tau"] >= 0.9 * B), "train_s": round(train_s, 1)}
     print(json.dumps(out))
