@@ -43,13 +43,14 @@ def say(msg: str) -> None:
 
 def heldout_metrics(drafter, target, texts) -> dict:
     import numpy as np
+    import torch
 
     from dflash_actors.eval.tau import drafter_correct, text_metrics, walk_tau
 
     correct, valid = [], []
     for i in range(len(texts)):
         ids, mask = texts.sample(i)
-        c, v = drafter_correct(drafter, target, __import__("torch").from_numpy(ids), mask)
+        c, v = drafter_correct(drafter, target, torch.from_numpy(ids), mask)
         correct.append(c)
         valid.append(v)
     sim = text_metrics(np.concatenate(correct), np.concatenate(valid))

@@ -20,7 +20,7 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..console import first_line
-from .target import build_target_layer_ids, ensure_target, is_hf_dir, load_target, resolve_dtype
+from .target import configured_layer_ids, ensure_target, is_hf_dir, load_target, resolve_dtype
 
 EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
 HEAD_KEYS = ("lm_head.weight",)
@@ -68,8 +68,7 @@ class TargetHead(TargetInfo):
 
 def layer_ids_for(cfg, target_config) -> list[int]:
     n = int(target_config.num_hidden_layers)
-    ids = list(cfg.drafter.target_layer_ids if cfg.drafter.target_layer_ids is not None
-               else build_target_layer_ids(n, cfg.drafter.num_layers))
+    ids = configured_layer_ids(cfg, n)
     bad = [i for i in ids if not 0 <= i < n]
     if bad:
         raise ValueError(f"drafter.target_layer_ids: layer {bad[0]} does not exist in a {n}-layer target")

@@ -363,13 +363,6 @@ def head_ce(hidden, lm_head_weight, labels, how: str = "fused"):
         fused_ce(hidden, lm_head_weight, labels)
 
 
-def chunked_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-               w: torch.Tensor, how: str = "fused") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum(CE * w), argmax)`` over rows, never holding more than one chunk of logits."""
-    ce, pred = head_ce(hidden, lm_head_weight, labels, how)
-    return (ce * w).sum(), pred
-
-
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, rows, alpha: float) -> torch.Tensor:
     """D-PACE's slot weights for the rows ``rows`` of ``valid`` ``[..., B]``, detached.
 

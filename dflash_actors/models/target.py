@@ -213,10 +213,13 @@ def load_target(cfg, device: str | torch.device = "cpu",
     except (OSError, ValueError) as e:
         raise ValueError(f"target.path: cannot load a causal LM from {path} ({first_line(e)})") from None
     model.to(device)
-    n = int(model.config.num_hidden_layers)
-    ids = list(cfg.drafter.target_layer_ids if cfg.drafter.target_layer_ids is not None
-               else build_target_layer_ids(n, cfg.drafter.num_layers))
-    return TargetModel(model, ids)
+    return TargetModel(model, configured_layer_ids(cfg, int(model.config.num_hidden_layers)))
+
+
+def configured_layer_ids(cfg, num_target_layers: int) -> list[int]:
+    """``drafter.target_layer_ids``, or ``build_target_layer_ids`` when it is null."""
+    ids = cfg.drafter.target_layer_ids
+    return list(ids if ids is not None else build_target_layer_ids(num_target_layers, cfg.drafter.num_layers))
 
 
 @contextlib.contextmanager
