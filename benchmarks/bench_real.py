@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
            "all": {k: {"real_tau": round(v["real"]["tau"], 3), "simulated_tau": round(v["simulated"]["tau"], 3)}
                    for k, v in res.items()},
            "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": str(run_dir),
-           "recipe": {"init": cfg.drafter.init, "position_weight": cfg.train.position_weight,
+           "recipe": {"init": cfg.drafter.init, "position_weight": cfg.train.position_weight, "loss": cfg.train.loss,
                       "head_loss": cfg.train.head_loss, "num_anchors": cfg.train.num_anchors, "lr": cfg.train.lr,
                       "epochs": cfg.train.epochs, "layers": cfg.drafter.num_layers, "block": cfg.drafter.block_size},
            "prepare_minutes": round(meta["minutes"] + held["minutes"], 1)}

@@ -33,6 +33,8 @@ VARIANTS = {
     "init_fc_norms": ["drafter.init=target", "drafter.init_parts=[fc, hidden_norm, norm]",
                       "train.position_weight=decay"],
     "init_target_dpace": ["drafter.init=target", "train.position_weight=dpace"],
+    "distill": ["drafter.init=random", "train.position_weight=decay", "train.loss=distill"],
+    "init_target_distill": ["drafter.init=target", "train.position_weight=decay", "train.loss=distill"],
 }
 """The anchors' recipe is random init, cross-entropy on the target's text, gamma decay."""
 

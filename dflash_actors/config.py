@@ -183,6 +183,12 @@ class TrainConfig:
     accepted tokens it takes part in, from the drafter's own detached probabilities
     (``dpace_alpha`` is the floor of each factor); gamma is then unused."""
     dpace_alpha: float = checked(0.5, in_range(0, 1))
+    loss: Literal["ce", "distill"] = "ce"
+    """What each block slot learns from. ``ce``: the data's next token (cross-entropy).
+    ``distill``: the target's own next-token distribution there (logit distillation:
+    cross-entropy against the target's softmax, which is KL to the target plus its
+    entropy); the target then also puts its last layer, after the final norm, into
+    every feature slot (+H floats per token through the ring and the cache)."""
     head_loss: Literal["auto", "fused", "checkpointed"] = "auto"
     """How the frozen vocabulary head and its cross-entropy run. ``fused``: the gradient
     is computed in the forward, chunk by chunk, so the head's matmul runs twice and no

@@ -40,6 +40,7 @@ from ..runtime.channels import dtype_name
 from ..train import feature_cache
 from ..train.optim import build_optimizer, build_scheduler, reduce_and_step
 from ..train.schedule import Plans, Schedule
+from ..train.simulate import feature_width
 
 
 def shard_gradient(drafter: DFlashDrafter, head, items, cfg) -> tuple[list[torch.Tensor], BlockStats]:
@@ -109,7 +110,7 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
     plans = Plans(cfg, dataset.lengths)
     cache = None
     if cfg.target.feature_cache != "off":
-        cache = feature_cache.in_process(cfg, dataset, plans, len(target.layer_ids) * target.hidden_size,
+        cache = feature_cache.in_process(cfg, dataset, plans, feature_width(cfg, target),
                                          dtype_name(target.dtype))
     buf = BatchBuffers.allocate(cfg.batching.token_budget, cfg.batching.max_samples)
     result = ReferenceResult(state_dict={})

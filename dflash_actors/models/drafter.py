@@ -151,8 +151,10 @@ class DFlashDrafter(nn.Module):
         return self
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
-        """Concatenated target layers ``[..., k*H]`` -> drafter context ``[..., H]``."""
-        return self.hidden_norm(self.fc(features))
+        """Concatenated target layers ``[..., k*H]`` -> drafter context ``[..., H]``. Columns
+        past ``k*H`` (a distilling target's last layer, ``train.loss: distill``) are not
+        context and are left out."""
+        return self.hidden_norm(self.fc(features[..., :self.fc.in_features]))
 
     def forward(self, noise: torch.Tensor, ctx: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
         """noise ``[N, Q, H]`` embeddings, ctx ``[N, C, H]`` (from ``context``), position_ids

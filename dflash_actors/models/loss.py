@@ -12,7 +12,10 @@ Per sequence (of length L, tokens ``tok``, loss mask ``m``):
     Keyed by anchor position, not block index, so overlapping blocks cannot leak;
   * loss: ``sum(CE * w) / sum(w)`` over the whole batch with
     ``w = m[a+k] * [a+k < L] * exp(-(k-1)/gamma)``, slot 0 excluded (or D-PACE's
-    detached weights in place of the decay, ``train.position_weight``).
+    detached weights in place of the decay, ``train.position_weight``). CE is against
+    ``tok[a+k]``, or with ``train.loss: distill`` against the target's softmax at
+    position ``a+k-1`` (its logits made from the last-layer state that the features
+    then carry after the drafter's layers, through the same frozen head).
 
 All sequences of a batch go through the drafter at once, right-padded per sequence:
 context ``[R, Lmax, H]`` and noise ``[R, Nmax*B, H]`` for the R sequences that have
@@ -258,6 +261,16 @@ def block_hidden(drafter, embed_tokens, ctx: torch.Tensor, tokens: torch.Tensor,
     return blocks_hidden(drafter, embed_tokens, ctx[None], lengths, anchors[None], tokens[anchors][None])[0]
 
 
+def teacher_rows(features: torch.Tensor, p: PaddedBlocks, rows, hidden_size: int) -> torch.Tensor:
+    """The target's last-layer state ``[n, H]`` one position before each labelled block
+    slot ``rows`` (indices into ``[R, N, B]``): what its logits for that slot's token come
+    from. ``features`` ``[T, (k+1)*H]`` end with that state (``TargetModel(teacher=True)``)."""
+    last = features[p.take, -hidden_size:]
+    padded = last.new_zeros((len(p.seq), p.tokens.shape[1], hidden_size)).index_put((p.row, p.col), last)
+    r, j, k = rows
+    return padded[r, p.anchors[r, j] + k - 1]           # slot k >= 1: at or after the anchor
+
+
 def block_labels(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(labels, valid)`` ``[..., N, B]`` for tokens ``[..., L]`` and anchors ``[..., N]``:
@@ -293,24 +306,34 @@ class BlockStats:
                 "slot_acc": [round(a, 4) for a in acc], "blocks": self.blocks}
 
 
-def _ce_rows(hidden, weight, labels):
+def _chunk_rows(teacher) -> int:
+    # Distillation keeps the teacher's logits beside the drafter's: half the rows, same memory.
+    return CE_CHUNK_ROWS if teacher is None else CE_CHUNK_ROWS // 2
+
+
+def _ce_rows(hidden, weight, labels, teacher=None):
     # The frozen head keeps the target's dtype (bf16 on GPU); CE itself runs in fp32.
     logits = F.linear(hidden.to(weight.dtype), weight).float()
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+    hard = F.cross_entropy(logits, labels, reduction="none")
+    if teacher is None:
+        return hard, logits.argmax(-1), hard.detach()
+    target_p = F.linear(teacher.to(weight.dtype), weight).float().softmax(-1)
+    return -(target_p * logits.log_softmax(-1)).sum(-1), logits.argmax(-1), hard.detach()
 
 
-def checkpointed_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(CE per row, argmax)`` by autograd over checkpointed chunks: the head's matmul
-    runs three times (forward, recomputed forward, backward) and one chunk of logits is
-    alive at a time."""
-    ces, preds = [], []
-    for s in range(0, len(hidden), CE_CHUNK_ROWS):
-        sl = slice(s, s + CE_CHUNK_ROWS)
-        ce, pred = checkpoint(_ce_rows, hidden[sl], lm_head_weight, labels[sl], use_reentrant=False)
-        ces.append(ce)
-        preds.append(pred)
-    return torch.cat(ces), torch.cat(preds)
+def checkpointed_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                    teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss per row, argmax, CE against labels)`` by autograd over checkpointed chunks:
+    the head's matmul runs three times (forward, recomputed forward, backward), four
+    with a ``teacher``, and one chunk of logits is alive at a time. The loss is CE
+    against ``labels``, or against ``softmax(teacher @ W.T)`` when ``teacher`` rows are given."""
+    out = []
+    n = _chunk_rows(teacher)
+    for s in range(0, len(hidden), n):
+        sl = slice(s, s + n)
+        out.append(checkpoint(_ce_rows, hidden[sl], lm_head_weight, labels[sl],
+                              None if teacher is None else teacher[sl], use_reentrant=False))
+    return tuple(torch.cat(parts) for parts in zip(*out))
 
 
 class _FusedHeadCE(torch.autograd.Function):
@@ -321,46 +344,60 @@ class _FusedHeadCE(torch.autograd.Function):
     d(sum w*CE)/d(hidden) = w * (softmax - onehot) @ W per row: computed chunk by chunk
     while the chunk's logits exist, kept as ``[rows, H]``, scaled by the incoming
     weights in the backward. Two matmuls instead of the checkpointed path's three, and
-    no logits outlive their chunk."""
+    no logits outlive their chunk. With ``teacher`` rows the target is
+    ``p = softmax(teacher @ W.T)`` instead of the one-hot: the loss is
+    ``lse - p . logits`` and the gradient ``(softmax - p) @ W`` (one more matmul, for p)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels):
-        ces, preds = [], []
+    def forward(ctx, hidden, weight, labels, teacher):
+        losses, preds, hards = [], [], []
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        for s in range(0, len(hidden), CE_CHUNK_ROWS):
-            h, lab = hidden[s:s + CE_CHUNK_ROWS].to(weight.dtype), labels[s:s + CE_CHUNK_ROWS]
+        n = _chunk_rows(teacher)
+        for s in range(0, len(hidden), n):
+            h, lab = hidden[s:s + n].to(weight.dtype), labels[s:s + n]
             logits = F.linear(h, weight).float()
             preds.append(logits.argmax(-1))
             lse = torch.logsumexp(logits, dim=-1)
-            ces.append(lse - logits.gather(1, lab[:, None]).squeeze(1))
+            hards.append(lse - logits.gather(1, lab[:, None]).squeeze(1))
+            if teacher is not None:
+                target_p = F.linear(teacher[s:s + n].to(weight.dtype), weight).float().softmax(-1)
+                losses.append(lse - (target_p * logits).sum(-1))
             probs = logits.sub_(lse[:, None]).exp_()          # softmax, in the logits' memory
-            probs[torch.arange(len(lab), device=lab.device), lab] -= 1.0
+            if teacher is None:
+                probs[torch.arange(len(lab), device=lab.device), lab] -= 1.0
+            else:
+                probs.sub_(target_p)
+                del target_p
             grad[s:s + len(h)] = (probs.to(weight.dtype) @ weight).float()
             del logits, probs
         ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
+        empty = hidden.new_zeros(0, dtype=torch.float32)
         pred = torch.cat(preds) if preds else labels.new_zeros(0)
-        ctx.mark_non_differentiable(pred)
-        return (torch.cat(ces) if ces else hidden.new_zeros(0, dtype=torch.float32)), pred
+        hard = torch.cat(hards) if hards else empty
+        ctx.mark_non_differentiable(pred, hard)
+        loss = hard.clone() if teacher is None else (torch.cat(losses) if losses else empty)
+        return loss, pred, hard
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_pred):
+    def backward(ctx, grad_loss, _grad_pred, _grad_hard):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_ce[:, None]).to(ctx.hidden_dtype), None, None
+        return (grad * grad_loss[:, None]).to(ctx.hidden_dtype), None, None, None
 
 
-def fused_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-             labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(CE per row, argmax)`` with the gradient made in the forward (``_FusedHeadCE``)."""
+def fused_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+             teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``checkpointed_ce``'s three results with the gradient made in the forward (``_FusedHeadCE``)."""
     if lm_head_weight.requires_grad:
         raise ValueError("fused_ce: the head must be frozen (its gradient is not computed)")
-    return _FusedHeadCE.apply(hidden, lm_head_weight, labels)
+    return _FusedHeadCE.apply(hidden, lm_head_weight, labels, teacher)
 
 
-def head_ce(hidden, lm_head_weight, labels, how: str = "fused"):
-    """CE per row and argmax of the frozen head, by ``train.head_loss`` (auto = fused)."""
-    return checkpointed_ce(hidden, lm_head_weight, labels) if how == "checkpointed" else \
-        fused_ce(hidden, lm_head_weight, labels)
+def head_ce(hidden, lm_head_weight, labels, how: str = "fused", teacher=None):
+    """Loss per row, argmax and CE against ``labels`` of the frozen head, by
+    ``train.head_loss`` (auto = fused); the loss is distillation's with ``teacher`` rows."""
+    return checkpointed_ce(hidden, lm_head_weight, labels, teacher) if how == "checkpointed" else \
+        fused_ce(hidden, lm_head_weight, labels, teacher)
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, rows, alpha: float) -> torch.Tensor:
@@ -390,24 +427,29 @@ class Objective:
     head_loss: str = "fused"
     position_weight: str = "decay"
     dpace_alpha: float = 0.5
+    loss: str = "ce"
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
         t = cfg.train
         return cls(t.num_anchors, decay_gamma(cfg), t.seed, t.compute_dtype,
-                   "checkpointed" if t.head_loss == "checkpointed" else "fused", t.position_weight, t.dpace_alpha)
+                   "checkpointed" if t.head_loss == "checkpointed" else "fused", t.position_weight, t.dpace_alpha,
+                   t.loss)
 
 
 def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.ndarray],
                 gamma: float, *, compute_dtype: str = "auto", head_loss: str = "fused",
-                position_weight: str = "decay", dpace_alpha: float = 0.5) -> tuple[torch.Tensor, BlockStats]:
+                position_weight: str = "decay", dpace_alpha: float = 0.5,
+                loss: str = "ce") -> tuple[torch.Tensor, BlockStats]:
     """``(loss, stats)`` for a packed batch given its anchors per row.
 
     ``head`` provides the frozen target ``embed_tokens`` and ``lm_head``; ``features``
     are the packed target features ``[T, k*H]``. The drafter runs under
     ``autocast_for(device, compute_dtype)``, the cross-entropy in fp32 (``head_ce``).
     Slots weigh ``exp(-(k-1)/gamma)`` or, with ``position_weight="dpace"``, D-PACE's
-    detached weights (``dpace_weights``). With no anchor anywhere in the batch the loss
+    detached weights (``dpace_weights``, from the CE against the data's tokens). With
+    ``loss="distill"`` the features' last ``H`` columns are the target's last layer and
+    each slot learns the target's softmax there, one position back. With no anchor anywhere in the batch the loss
     is a zero that still reaches every parameter, so gradient accumulation needs no
     special case.
     """
@@ -421,9 +463,10 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     valid &= p.real[..., None]
     rows = valid.nonzero(as_tuple=True)
     lab = labels[rows]
-    ce, pred = head_ce(hidden[rows], head.lm_head.weight, lab, head_loss)
+    teacher = teacher_rows(features, p, rows, hidden.shape[-1]) if loss == "distill" else None
+    ce, pred, hard = head_ce(hidden[rows], head.lm_head.weight, lab, head_loss, teacher)
     if position_weight == "dpace":
-        w = dpace_weights(ce, valid, rows, dpace_alpha)
+        w = dpace_weights(hard, valid, rows, dpace_alpha)
     else:
         w = slot_decay(B, gamma).to(features.device).expand(valid.shape)[rows]
     wce, wsum = (ce * w).sum(), w.sum()
@@ -443,4 +486,4 @@ def batch_loss(drafter, head, features: torch.Tensor, batch, objective: Objectiv
     o = objective
     return dflash_loss(drafter, head, features, batch, batch_anchors(batch, o.num_anchors, o.seed, epoch, batch_id),
                        o.gamma, compute_dtype=o.compute_dtype, head_loss=o.head_loss,
-                       position_weight=o.position_weight, dpace_alpha=o.dpace_alpha)
+                       position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss)

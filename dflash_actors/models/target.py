@@ -2,7 +2,9 @@
 
 Any HF causal LM loads (a local directory, a GGUF file in one, or the tiny synthetic
 Qwen3 of the demo, ``tiny``). ``TargetModel.features`` returns the selected
-layers' outputs for a packed batch, concatenated and packed again ``[T, k*H]``.
+layers' outputs for a packed batch, concatenated and packed again ``[T, k*H]``; a
+target built with ``teacher`` (``train.loss: distill``) appends its last layer after
+the final norm, ``[T, (k+1)*H]``, from which the loss makes the target's logits.
 
 Why it is built this way:
   * Forward hooks capture the selected layers and the last one aborts the forward, so
@@ -57,7 +59,7 @@ class _Stop(Exception):
 class TargetModel:
     """A frozen HF causal LM that yields concatenated layer features."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
+    def __init__(self, model: nn.Module, layer_ids: list[int], teacher: bool = False):
         self.model = model.eval().requires_grad_(False)
         cfg = model.config
         self.config = cfg
@@ -68,6 +70,8 @@ class TargetModel:
         if bad:
             raise ValueError(f"target layer id {bad[0]} outside [0, {self.num_layers}) for this target")
         self.layer_ids = list(layer_ids)
+        # The layers a feature slot holds: the drafter's, then (distillation) the last.
+        self.feature_ids = self.layer_ids + ([self.num_layers - 1] if teacher else [])
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self.device = self.embed_tokens.weight.device
@@ -76,10 +80,10 @@ class TargetModel:
 
     @torch.no_grad()
     def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Selected layers of a right-padded ``[B, L]`` batch, concatenated: ``[B, L, k*H]``."""
+        """Feature layers of a right-padded ``[B, L]`` batch, concatenated: ``[B, L, k*H]``."""
         captured: dict[int, torch.Tensor] = {}
         layers = self._decoder.layers
-        last = max(self.layer_ids)
+        last = max(self.feature_ids)
 
         def hook(idx):
             def fn(_module, _inputs, output):
@@ -91,7 +95,7 @@ class TargetModel:
                     raise _Stop
             return fn
 
-        handles = [layers[L].register_forward_hook(hook(L)) for L in set(self.layer_ids)]
+        handles = [layers[L].register_forward_hook(hook(L)) for L in set(self.feature_ids)]
         try:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
             self._decoder(input_ids=input_ids, position_ids=positions, use_cache=False)
@@ -100,7 +104,7 @@ class TargetModel:
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat([captured[L] for L in self.layer_ids], dim=-1)
+        return torch.cat([captured[L] for L in self.feature_ids], dim=-1)
 
     def features(self, batch) -> torch.Tensor:
         """Packed features ``[T, k*H]`` aligned with ``batch.input_ids``."""
@@ -158,9 +162,11 @@ def self_check(target: TargetModel, length: int = 24, seed: int = 0) -> None:
     width = target.hidden_size
     tol = SELF_CHECK_TOLERANCE.get(target.dtype, 3e-2)
     for s, (ids, feats) in enumerate(zip(seqs, got)):
-        _, want = target.logits_and_hidden(ids[None].to(target.device))
-        want = want[0].float()
-        for i, layer in enumerate(target.layer_ids):
+        positions = torch.arange(len(ids), device=target.device)[None]
+        out = target.model(input_ids=ids[None].to(target.device), position_ids=positions, use_cache=False,
+                           output_hidden_states=True)
+        want = torch.cat([out.hidden_states[L + 1][0] for L in target.feature_ids], dim=-1).float()
+        for i, layer in enumerate(target.feature_ids):
             a, b = feats[:, i * width:(i + 1) * width], want[:, i * width:(i + 1) * width]
             err, scale = float((a - b).abs().max()), float(b.abs().max())
             if not err <= tol * max(scale, 1.0):
@@ -213,7 +219,8 @@ def load_target(cfg, device: str | torch.device = "cpu",
     except (OSError, ValueError) as e:
         raise ValueError(f"target.path: cannot load a causal LM from {path} ({first_line(e)})") from None
     model.to(device)
-    return TargetModel(model, configured_layer_ids(cfg, int(model.config.num_hidden_layers)))
+    return TargetModel(model, configured_layer_ids(cfg, int(model.config.num_hidden_layers)),
+                       teacher=cfg.train.loss == "distill")
 
 
 def configured_layer_ids(cfg, num_target_layers: int) -> list[int]:

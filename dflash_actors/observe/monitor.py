@@ -315,7 +315,7 @@ def accounting(cfg, target_config, layer_ids: list[int], schedule: Schedule, ste
     busy = work_times[lo:hi].sum(0).tolist()
     batches = hi - lo
     blocks = float(batch_stats[lo:hi, 0].sum())
-    shape = _shape(target_config, layer_ids)
+    shape = _shape(target_config, layer_ids, whole=cfg.train.loss == "distill")
     work = Workload(token_budget=max(1, round(tokens / batches)), sequences_per_batch=max(1, round(seqs_per_batch)),
                     anchors=max(1, round(blocks / batches / max(seqs_per_batch, 1))),
                     block_size=cfg.drafter.block_size, feature_layers=len(layer_ids),
@@ -343,10 +343,12 @@ def peak_tflops(cfg, device: str) -> Optional[float]:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def _shape(c, layer_ids: list[int]) -> ModelShape:
-    """The target's shape, cut at the deepest layer the features need (the forward stops there)."""
+def _shape(c, layer_ids: list[int], whole: bool = False) -> ModelShape:
+    """The target's shape, cut at the deepest layer the features need (the forward stops
+    there), or ``whole`` when distillation needs its last layer too."""
     heads = int(c.num_attention_heads)
-    return ModelShape("target", int(c.hidden_size), max(layer_ids) + 1, int(c.intermediate_size), heads,
+    depth = int(c.num_hidden_layers) if whole else max(layer_ids) + 1
+    return ModelShape("target", int(c.hidden_size), depth, int(c.intermediate_size), heads,
                       int(getattr(c, "num_key_value_heads", None) or heads),
                       int(getattr(c, "head_dim", None) or c.hidden_size // heads), int(c.vocab_size))
 

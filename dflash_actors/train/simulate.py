@@ -68,12 +68,13 @@ def check(cfg) -> None:
 
 
 def feature_width(cfg, target) -> int:
-    """Floats per token in the feature slots: the selected layers' outputs side by side,
-    or the simulated width."""
+    """Floats per token in the feature slots: the selected layers' outputs side by side
+    (and the distillation teacher's last layer, ``train.loss: distill``), or the
+    simulated width."""
     sim = cfg.runtime.simulate
     if sim.enabled and sim.feature_width is not None:
         return sim.feature_width
-    return len(target.layer_ids) * target.hidden_size
+    return (len(target.layer_ids) + (cfg.train.loss == "distill")) * target.hidden_size
 
 
 def stamp(features: torch.Tensor, n_tokens: int, b: int) -> None:

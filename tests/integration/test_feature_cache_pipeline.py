@@ -107,3 +107,23 @@ def test_cache_on_and_off_agree_within_float_tolerance(cache_dir, tmp_path):
     assert np.allclose(on.losses, off.losses, rtol=1e-5, atol=0)
     for k, want in off.state_dict.items():
         torch.testing.assert_close(on.state_dict[k], want, rtol=1e-4, atol=1e-6)
+
+
+def test_distillation_pipeline_with_kills_is_bit_identical_to_its_reference(cache_dir, tmp_path):
+    # train.loss=distill widens every feature slot and cache entry by the target's last
+    # layer; the run, with a target killed between a store's rows and flags and a
+    # drafter killed mid-step, still ends bit for bit where the reference does.
+    run = tmp_path / "run"
+    cfg = small_config(cache_dir, run, "1-1", "train.loss=distill", "target.feature_cache=memory",
+                       faults(dict(actor="target.0", at_batch=3, kind="sigkill", at="cache"),
+                              dict(actor="drafter.0", at_batch=12, kind="sigkill")))
+    job = Job(cfg, progress=False)
+    result = job.run()
+    assert result.exit_code == 0, result.reason
+    assert job.cache.plan.width == (len(job.target.layer_ids) + 1) * job.target.hidden_size
+    assert result.summary["restarts_by_actor"] == {"target.0": 1, "drafter.0": 1}
+    ref = train_reference(cfg, progress=False)
+    assert losses(run) == ref.losses
+    assert_same_weights(final_weights(run), ref.state_dict)
+    # Not the cross-entropy run: the loss learns the target's distribution.
+    assert not np.allclose(ref.losses, reference(cfg.updated({"train.loss": "ce"})).losses)

@@ -51,19 +51,24 @@ def sequence_labels(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
 
 
 def dflash_loss_per_sequence(drafter, head, features: torch.Tensor, batch, anchors: list[np.ndarray],
-                             gamma: float) -> tuple[torch.Tensor, BlockStats]:
-    """``(loss, stats)`` as ``dflash_loss`` defines them, one drafter forward per sequence."""
+                             gamma: float, teacher_logits=None) -> tuple[torch.Tensor, BlockStats]:
+    """``(loss, stats)`` as ``dflash_loss`` defines them, one drafter forward per sequence.
+    With ``teacher_logits(ids) -> [L, V]`` (the target's own forward of one sequence) each
+    slot k of anchor a learns ``softmax(logits[a+k-1])``, as ``loss="distill"`` defines it."""
     B = drafter.block_size
     ids, lmask = batch.input_ids, batch.loss_mask
     ctx_all = drafter.context(features.to(drafter.fc.weight.dtype))
     decay = slot_decay(B, gamma)
-    hs, labels, ws, valids = [], [], [], []
+    hs, labels, ws, valids, soft = [], [], [], [], []
     for (s, e), a in zip(batch.sequences(), anchors):
         if len(a) == 0:
             continue
         a = torch.as_tensor(a, dtype=torch.long)
         hs.append(sequence_hidden(drafter, head.embed_tokens, ctx_all[s:e], ids[s:e], a))
         lab, valid = sequence_labels(ids[s:e], lmask[s:e], a, B)
+        if teacher_logits is not None:
+            before = (a[:, None] + torch.arange(B) - 1).clamp(0, e - s - 1)
+            soft.append(teacher_logits(ids[s:e]).float()[before].softmax(-1))
         labels.append(lab)
         valids.append(valid)
         ws.append(valid.float() * decay)
@@ -76,7 +81,11 @@ def dflash_loss_per_sequence(drafter, head, features: torch.Tensor, batch, ancho
     w = torch.cat(ws)[rows]
     # Plain autograd over the whole [rows, vocab] logits: none of the package's head code.
     logits = F.linear(torch.cat(hs)[rows], head.lm_head.weight).float()
-    wce, pred = (F.cross_entropy(logits, lab, reduction="none") * w).sum(), logits.argmax(-1)
+    if teacher_logits is None:
+        ce = F.cross_entropy(logits, lab, reduction="none")
+    else:
+        ce = -(torch.cat(soft)[rows] * logits.log_softmax(-1)).sum(-1)
+    wce, pred = (ce * w).sum(), logits.argmax(-1)
     wsum = w.sum()
     correct = torch.zeros_like(valid)
     correct[rows] = pred == lab

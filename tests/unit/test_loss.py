@@ -1,5 +1,6 @@
 import contextlib
 import copy
+import functools
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -288,6 +289,39 @@ def test_batched_loss_equals_per_sequence_oracle(setup):
         assert stats.weight == pytest.approx(want_stats.weight, rel=1e-6)
 
 
+def distilling(target):
+    """The same target, its feature slots ending with its last layer (``train.loss: distill``)."""
+    from dflash_actors.models.target import TargetModel
+
+    return TargetModel(target.model, target.layer_ids, teacher=True)
+
+
+def test_distillation_equals_the_oracle_on_the_targets_own_logits(setup):
+    """``loss="distill"``: every slot learns the target's softmax one position back, its
+    logits from the model's own forward here (not from the feature slot's last columns)."""
+    _, target, d = setup
+    teacher = distilling(target)
+
+    def own_logits(ids):
+        with torch.no_grad():
+            return target.model(input_ids=ids[None], position_ids=torch.arange(len(ids))[None],
+                                use_cache=False).logits[0]
+    for batch, anchors in oracle_cases()[:3]:
+        feats = teacher.features(batch)
+        assert feats.shape[1] == (len(target.layer_ids) + 1) * target.hidden_size
+        assert torch.equal(feats[:, :-target.hidden_size], target.features(batch))
+        loss, grads, stats = loss_and_grads(functools.partial(L.dflash_loss, loss="distill"), d, target, feats,
+                                            batch, anchors)
+        want, want_grads, want_stats = loss_and_grads(
+            functools.partial(dflash_loss_per_sequence, teacher_logits=own_logits), d, target, feats, batch, anchors)
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+        for (name, _), g, w in zip(d.named_parameters(), grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()), msg=name)
+        assert stats.accepted == want_stats.accepted and torch.equal(stats.slot_correct, want_stats.slot_correct)
+        plain, _, _ = loss_and_grads(L.dflash_loss, d, target, feats, batch, anchors)
+        assert not torch.isclose(plain, loss)     # the extra columns change what is learnt, not the context
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_loss_on_cuda_matches_cpu(setup):
@@ -497,14 +531,15 @@ def test_label_alignment_perfect_context(setup):
 @pytest.mark.parametrize("chunk", [L.CE_CHUNK_ROWS, 7])
 def test_fused_head_equals_checkpointed(setup, monkeypatch, chunk):
     """The fused CE (gradient made in the forward) gives the checkpointed path's loss,
-    stats and gradients, in one chunk and in many."""
+    stats and gradients, in one chunk and in many, for CE and for distillation (whose
+    slots' extra columns plain CE must ignore)."""
     _, target, d = setup
     monkeypatch.setattr(L, "CE_CHUNK_ROWS", chunk)
     for batch, anchors in oracle_cases()[:2]:
-        feats = target.features(batch)
-        for weighting in ("decay", "dpace"):
-            runs = [loss_and_grads(lambda *a, how=how, pw=weighting: L.dflash_loss(*a, head_loss=how,
-                                                                                   position_weight=pw),
+        feats = distilling(target).features(batch)
+        for weighting, loss in (("decay", "ce"), ("dpace", "ce"), ("decay", "distill"), ("dpace", "distill")):
+            runs = [loss_and_grads(functools.partial(L.dflash_loss, head_loss=how, position_weight=weighting,
+                                                     loss=loss),
                                    d, target, feats, batch, anchors) for how in ("fused", "checkpointed")]
             (loss, grads, stats), (want, want_grads, want_stats) = runs
             torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
@@ -519,17 +554,44 @@ def test_fused_ce_values_and_gradient_of_a_weighted_sum():
     h = torch.randn(23, 16, generator=g, dtype=torch.float64).float().requires_grad_()
     W = torch.randn(50, 16, generator=g)
     lab, w = torch.randint(0, 50, (23,), generator=g), torch.rand(23, generator=g)
-    ce, pred = L.fused_ce(h, W, lab)
+    ce, pred, hard = L.fused_ce(h, W, lab)
     (ce * w).sum().backward()
     h2 = h.detach().clone().requires_grad_()
     logits = h2 @ W.T
     want = F.cross_entropy(logits, lab, reduction="none")
     (want * w).sum().backward()
     torch.testing.assert_close(ce, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(hard, ce.detach())
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-7)
     assert torch.equal(pred, logits.argmax(-1))
     with pytest.raises(ValueError, match="frozen"):
         L.fused_ce(h, W.clone().requires_grad_(), lab)
+
+
+@pytest.mark.parametrize("how", ["fused", "checkpointed"])
+def test_distillation_rows_against_whole_logits(how, monkeypatch):
+    """With teacher rows the loss is CE against softmax(teacher @ W.T), its gradient that
+    of plain autograd, and the third result the CE against the labels, in chunks too."""
+    monkeypatch.setattr(L, "CE_CHUNK_ROWS", 10)
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(23, 16, generator=g).requires_grad_()
+    W, t = torch.randn(50, 16, generator=g), torch.randn(23, 16, generator=g)
+    lab, w = torch.randint(0, 50, (23,), generator=g), torch.rand(23, generator=g)
+    loss, pred, hard = L.head_ce(h, W, lab, how, teacher=t)
+    (loss * w).sum().backward()
+    h2 = h.detach().clone().requires_grad_()
+    logits = h2 @ W.T
+    want = -((t @ W.T).softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    (want * w).sum().backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hard, F.cross_entropy(logits, lab, reduction="none").detach(), rtol=1e-6, atol=1e-6)
+    # softmax - p cancels: the error is fp32 rounding of the gradient's scale, not of each element.
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-6 * float(h2.grad.abs().max()))
+    assert torch.equal(pred, logits.argmax(-1))
+    # The teacher's own rows as the drafter's: the loss is the teacher's entropy, the gradient zero.
+    same, _, _ = L.head_ce(t.clone().requires_grad_(), W, lab, how, teacher=t)
+    p = (t @ W.T).softmax(-1)
+    torch.testing.assert_close(same, -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_dpace_weights_match_the_formula():

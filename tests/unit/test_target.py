@@ -121,12 +121,22 @@ class _ShiftedTarget(TargetModel):
     """A wrapper with the classic bug: it captures each configured layer's successor."""
 
     def hidden(self, input_ids):
-        ids = self.layer_ids
-        self.layer_ids = [min(L + 1, self.num_layers - 1) for L in ids]
+        ids = self.feature_ids
+        self.feature_ids = [min(L + 1, self.num_layers - 1) for L in ids]
         try:
             return super().hidden(input_ids)
         finally:
-            self.layer_ids = ids
+            self.feature_ids = ids
+
+
+class _ScaledTeacher(TargetModel):
+    """A distilling wrapper whose last (teacher) layer is off by a factor, as a missing
+    or doubled final norm would leave it."""
+
+    def hidden(self, input_ids):
+        out = super().hidden(input_ids)
+        h = self.hidden_size
+        return torch.cat([out[..., :-h], 2.0 * out[..., -h:]], dim=-1)
 
 
 def test_self_check_passes_a_correct_wrapper_and_names_the_wrong_layer(cfg):
@@ -138,3 +148,7 @@ def test_self_check_passes_a_correct_wrapper_and_names_the_wrong_layer(cfg):
     # Only the last layer wrong (3 cannot shift): the first layer that differs is named.
     with pytest.raises(SelfCheckError, match=r"layer 2 features differ"):
         self_check(_ShiftedTarget(t.model, [3, 2]))
+    # A distilling target's last layer is checked too, after the final norm.
+    self_check(TargetModel(t.model, t.layer_ids, teacher=True))
+    with pytest.raises(SelfCheckError, match=rf"layer {t.num_layers - 1} features differ"):
+        self_check(_ScaledTeacher(t.model, t.layer_ids, teacher=True))
