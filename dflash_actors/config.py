@@ -134,6 +134,13 @@ class TargetConfig:
     and the target, discarded when they differ)."""
     feature_cache_gb: float = checked(4.0, above(0))
     """Size budget of the feature cache; samples past it are computed every epoch."""
+    share_weights: Literal["auto", "on", "off"] = "auto"
+    """``on``: the job reads the target's weights once into shared host memory before
+    the targets start, and every target actor, first start or restart, maps them (on
+    CPU it computes on them in place; on a GPU it copies them to its device) instead of
+    reading the checkpoint (``models.shared_weights``). ``off``: each target actor reads
+    the checkpoint itself. auto = on when the weights take at most half of the host's
+    available memory; the job says which in one line."""
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
 

@@ -10,7 +10,8 @@ Contract:
   waits for a free feature slot (reserved by the supervisor before dispatch)
   on start checks its features against the model's plain forward (``target.self_check``);
             a mismatch raises ``SelfCheckFailed`` and stops the job before training
-  on restart reloads the target; whatever it held is put back to LOADED, its batch slot
+  on restart reloads the target (maps the job's shared copy of its weights with
+            ``target.share_weights``, else reads the checkpoint); whatever it held is put back to LOADED, its batch slot
             untouched, and recomputed by whichever target is free.
 With ``target.feature_cache`` (``train.feature_cache``) the features of samples seen in
 an earlier batch come from the job's cache instead (a batch entirely cached skips the
@@ -32,6 +33,7 @@ import torch
 
 from ..config import Config
 from ..data.batching import FEATURES, Batch, BatchMeta, copy_batch
+from ..models.shared_weights import SharedWeights
 from ..runtime.actor import Actor, Escalate
 from ..train.feature_cache import FeatureCache
 from ..train.schedule import Schedule
@@ -50,11 +52,15 @@ class TargetSpec:
     schedule: Schedule
     """This node's: the cache plans in the run's (global) batch ids."""
     cache: Optional[FeatureCache] = None
+    weights: Optional[SharedWeights] = None
+    """The target's weights in shared host memory (``target.share_weights``), or None:
+    each actor reads the checkpoint."""
 
 
 class Target(Actor):
     spec: TargetSpec
     FAULT_POINTS = (*Actor.FAULT_POINTS, "cache")
+    PRELOAD = ("dflash_actors.models.target",)
 
     def attach(self) -> None:
         self.device = torch.device(self.spec.devices[self.ctx.index])
@@ -65,9 +71,13 @@ class Target(Actor):
             # Imported here: transformers costs seconds of every start, which a
             # simulated target (and its restarts) need not pay.
             from ..models.target import SelfCheckError, load_target, self_check
-            self.starting("load target weights")
+            if self.spec.weights is None:
+                self.starting("load target weights")
+            else:
+                self.starting("copy shared weights to device" if self.device.type == "cuda" else "map shared weights")
             self.model = load_target(self.spec.cfg, self.device,
-                                     lambda done, total: self.starting("load target weights", done, total))
+                                     lambda done, total: self.starting("load target weights", done, total),
+                                     weights=self.spec.weights)
             if self.spec.cfg.target.self_check:
                 self.starting("self-check features")
                 try:

@@ -50,6 +50,7 @@ from ..cluster.node import NodeSpec
 from ..config import Config, ConfigError, dump_config
 from ..console import first_line
 from ..data.batching import META_COLS
+from ..models import shared_weights
 from ..models.drafter import DFlashDrafter, build_drafter
 from ..models.target import resolve_dtype
 from ..observe import report
@@ -185,6 +186,7 @@ class Job:
         self.pre = pre or preflight(cfg, node.rank, progress)
         self.target, self.schedule = self.pre.target, self.pre.schedule
         self.cache: Optional[feature_cache.FeatureCache] = None
+        self.weights: Optional[shared_weights.SharedWeights] = None
         self.cache_plan = None
         if cfg.target.feature_cache != "off":
             with console.phase("plan the feature cache", progress):
@@ -223,6 +225,23 @@ class Job:
         """Width and dtype name of the target's features: the feature slots' and the cache's."""
         dtype = resolve_dtype(self.cfg.target.dtype, torch.device(self.pre.devices.targets[0]))
         return feature_width(self.cfg, self.target), dtype_name(dtype)
+
+    def _share_weights(self) -> None:
+        """The target's weights in shared memory for the job's life, when
+        ``target.share_weights`` says so (none under simulation: no target runs)."""
+        if self.cfg.runtime.simulate.enabled:
+            return
+        from ..models.target import ensure_target
+
+        dtype = resolve_dtype(self.cfg.target.dtype, torch.device(self.pre.devices.targets[0]))
+        path = ensure_target(self.cfg)
+        share, line = shared_weights.decide(self.cfg.target.share_weights, shared_weights.weight_bytes(path, dtype),
+                                            self.cfg.topology.num_targets)
+        if share:
+            with console.phase("read the target weights into shared memory", self.progress):
+                self.weights = shared_weights.share_target(path, dtype)
+        if self.progress:
+            console.say(line)
 
     def _open_cache(self) -> None:
         """The feature cache the targets share, for the job's life (a rollback keeps it:
@@ -285,6 +304,8 @@ class Job:
         while True:
             if self.start.version == self.schedule.total_steps:
                 return self._finish(0, "already complete", {}, rollbacks)
+            if self.weights is None:
+                self._share_weights()
             if self.cache_plan is not None and self.cache is None:
                 try:
                     self._open_cache()
@@ -325,7 +346,8 @@ class Job:
         """One supervisor run over this attempt's shared state."""
         cfg, sched, first = self.cfg, self.schedule, self.start.version
         width, feature_dtype = self._feature_format()
-        stages = wiring.stages(cfg, sched, self.pre.devices, self.shared, self.pre.train_path, first, self.cache)
+        stages = wiring.stages(cfg, sched, self.pre.devices, self.shared, self.pre.train_path, first, self.cache,
+                               self.weights)
         monitor = Monitor(cfg, sched, self.shared, first, self.progress)
         rings = wiring.rings(cfg, width, feature_dtype, self.pre.devices.features)
         on_status = JobStatus(monitor, self.link)

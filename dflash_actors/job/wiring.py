@@ -46,6 +46,7 @@ from ..actors.target import Target, TargetSpec
 from ..cluster.exchange import Exchange
 from ..config import Config, ConfigError
 from ..data.batching import ring_fields
+from ..models.shared_weights import SharedWeights
 from ..runtime.channels import RingSpec
 from ..runtime.dispatch import Stage, in_order
 from ..train.feature_cache import FeatureCache
@@ -151,8 +152,10 @@ def rings(cfg: Config, feature_width: int, feature_dtype: str, feature_device: s
 
 
 def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared, train_path: Path,
-           first_step: int, cache: Optional[FeatureCache] = None) -> list[Stage]:
-    """The four stages; ``cache``: the job's feature cache, which every target shares."""
+           first_step: int, cache: Optional[FeatureCache] = None,
+           weights: Optional[SharedWeights] = None) -> list[Stage]:
+    """The four stages; ``cache``: the job's feature cache, which every target shares;
+    ``weights``: the target's weights in shared memory, which every target maps."""
     s = shared
     lockstep = cfg.runtime.schedule == "lockstep"
     gather = schedule.step_batches if lockstep else None
@@ -162,7 +165,7 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
               spec=LoaderSpec(cfg, schedule, str(train_path))),
         Stage("target", Target, State.LOADED, State.FEATURED, count=cfg.topology.num_targets,
               in_ring="batch", out_ring="features", credit=1, gather=gather,
-              spec=TargetSpec(cfg, devices.targets, schedule, cache)),
+              spec=TargetSpec(cfg, devices.targets, schedule, cache, weights)),
         Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=cfg.topology.num_drafters,
               in_ring="features", route=schedule.drafter_of, barrier=schedule.first_of_own_step, gather=gather,
               durable=schedule.is_last_for_drafter if cfg.runtime.grad_durability == "step" else None,

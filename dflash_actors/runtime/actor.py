@@ -161,6 +161,9 @@ class Actor:
     FAULT_POINTS: tuple[str, ...] = ("work", "commit")
     """Where ``runtime.faults`` can strike; subclasses that call ``fault_point`` at
     points of their own add them."""
+    PRELOAD: tuple[str, ...] = ()
+    """Modules the actor imports late (in ``attach``) that the fork server should import
+    up front (``runtime.start_method: forkserver``); its own module always is."""
 
     def __init__(self, ctx: ActorContext):
         self.ctx = ctx

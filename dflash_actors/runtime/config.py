@@ -102,6 +102,13 @@ class RuntimeConfig:
     """How long actors get to finish on shutdown before SIGTERM, then SIGKILL."""
     start_timeout_s: float = checked(300.0, above(0))
     """Spawn to Ready (imports, model loading) before an actor counts as hung."""
+    start_method: Literal["auto", "forkserver", "spawn"] = "auto"
+    """How actor processes start. ``forkserver``: forked from one server process that
+    has already imported torch, transformers and the actor modules (``forker``), so a
+    start or restart costs a fork; the server never touches CUDA, and every actor still
+    sets its own threads and device. ``spawn``: a fresh interpreter per actor, which
+    imports everything itself (seconds each). auto = forkserver where the platform
+    has it (Linux), else spawn."""
     stuck_after_s: Optional[float] = checked(None, optional(above(0)))
     """A ready actor whose heartbeat is older than this shows as stuck in
     ``status.json`` (it is killed only at ``hang_timeout_s``); None: a quarter of that."""

@@ -66,6 +66,7 @@ from .config import ConfigError, RuntimeConfig
 from .dispatch import Dispatcher, Stage
 from .events import EventLog
 from .files import write_atomically
+from .forker import SUPERVISOR_PID_ENV
 from .ledger import Ledger
 from .messages import ActorError, Done, Note, Ready, Starting, Stop
 from .policy import Decision, RestartPolicy
@@ -177,7 +178,9 @@ class Supervisor:
                                      {c.number: (stages.index(c.stage), c.index) for c in self.children})
         self.state = JobState.RUNNING
         self.reason: Optional[str] = None     # why it stops, once it does
-        self._mp = tmp.get_context("spawn")
+        self.start_method = start_method(runtime.start_method)
+        self._mp = tmp.get_context(self.start_method)
+        self._forker_pid = os.getpid()   # the process each actor is forked from
         self._stop_signal: Optional[str] = None
         self._failure: Optional[str] = None
         self._events: Optional[EventLog] = None
@@ -198,6 +201,8 @@ class Supervisor:
         try:
             self._log("start", reason="job begins", actors=[c.actor_id for c in self.children],
                       batches=len(self.ledger), committed_before=len(self.ledger) - self.dispatcher.remaining())
+            if self.start_method == "forkserver":
+                self._start_forkserver()
             for c in self.children:
                 self._spawn(c, "initial start")
             result = self._loop()
@@ -206,6 +211,8 @@ class Supervisor:
             raise
         finally:
             self._stop_children(result.reason if result else "supervisor error")
+            if self.start_method == "forkserver":
+                stop_forkserver()
             restore()
             if result is not None:
                 # After the stop: Done messages read while the actors finished count too.
@@ -296,19 +303,31 @@ class Supervisor:
             trace_dir=str(self.run_dir) if self.cfg.trace else None, trace_window=self._window,
             faults=tuple((i, f) for i, f in enumerate(self.cfg.faults) if f.actor == c.actor_id), fired=self.fired,
             work_times=self.work_times, stage=self.dispatcher.stages.index(s))
-        proc = self._mp.Process(target=boot, args=(os.getpid(), Deferred((s.actor, ctx))), name=c.actor_id,
-                                daemon=True)
+        proc = self._mp.Process(target=boot, args=(self._forker_pid, Deferred((s.actor, ctx))),
+                                name=c.actor_id, daemon=True)
         proc.start()
         child_conn.close()
         c.proc, c.conn, c.ready, c.hung, c.error = proc, parent_conn, False, None, None
         c.spawned_at = time.monotonic()
-        c.starting = {"name": "start process, import", "done": None, "total": None, "since": c.spawned_at,
-                      "last": c.spawned_at}
+        first = "fork" if self.start_method == "forkserver" else "start process, import"
+        c.starting = {"name": first, "done": None, "total": None, "since": c.spawned_at, "last": c.spawned_at}
         try:
             c.ps = psutil.Process(proc.pid)
         except psutil.Error:
             c.ps = None     # gone already; its sentinel says so
         self._log("spawn", actor=c.actor_id, pid=proc.pid, reason=reason)
+
+    def _start_forkserver(self) -> None:
+        """Start the fork server every actor of this run is forked from, with its
+        imports: ``forker`` first (the server dies with us), torch, each stage's actor
+        module and what the actors name in ``PRELOAD``. The first actors wait for those
+        imports (their "fork" phase); restarts do not."""
+        modules = [f"{__package__}.forker", "torch"]
+        for stage in self.dispatcher.stages:
+            modules += [stage.actor.__module__, *stage.actor.PRELOAD]
+        self._forker_pid = start_forkserver(list(dict.fromkeys(modules)), os.getpid())
+        self._log("forkserver", pid=self._forker_pid, preload=modules[1:],
+                  reason="actors fork from a server that imported these once")
 
     def _read(self, c: _Child) -> None:
         while True:
@@ -527,7 +546,8 @@ class Supervisor:
             }
         rss, cpu = _usage(self._ps)
         return {"time": round(time.time(), 3), "state": self.state.value, "reason": self.reason,
-                "supervisor_pid": os.getpid(),
+                "supervisor_pid": os.getpid(), "start_method": self.start_method,
+                "forkserver_pid": self._forker_pid if self.start_method == "forkserver" else None,
                 "supervisor_started": self._ps.create_time(), "supervisor": {"rss_mb": rss, "cpu_pct": cpu},
                 "stuck_after_s": self.cfg.stuck_s, "hang_timeout_s": self.cfg.hang_timeout_s,
                 "actors": actors, "rings": self.dispatcher.occupancy(),
@@ -591,3 +611,43 @@ def _phase(starting: Optional[dict], now: float) -> Optional[dict]:
         return None
     return {"name": starting["name"], "done": starting["done"], "total": starting["total"],
             "elapsed_s": round(now - starting["since"], 1), "idle_s": round(now - starting["last"], 1)}
+
+
+# -- how actor processes start --------------------------------------------------
+
+
+def start_method(configured: str) -> str:
+    """``runtime.start_method`` resolved: auto is forkserver where the platform has it."""
+    if configured == "auto":
+        return "forkserver" if "forkserver" in tmp.get_all_start_methods() else "spawn"
+    return configured
+
+
+def start_forkserver(modules: list[str], supervisor_pid: int) -> int:
+    """(Re)start the standard library's fork server with ``modules`` preloaded; its pid.
+
+    The server is one per process: one left by an earlier run of this process is
+    stopped first, since a running server keeps the preload list it started with. The
+    imports happen in the server before it serves the first fork (whose ``Process.start``
+    returns at once; the child waits for them). The environment variable that tells
+    ``forker`` whom to die with is set for the server's start only."""
+    from multiprocessing import forkserver
+
+    stop_forkserver()
+    forkserver.set_forkserver_preload(modules)
+    os.environ[SUPERVISOR_PID_ENV] = str(supervisor_pid)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop(SUPERVISOR_PID_ENV, None)
+    return forkserver._forkserver._forkserver_pid
+
+
+def stop_forkserver() -> None:
+    """Stop this process's fork server, if one runs (its children are gone by now:
+    the supervisor stops its actors first)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()

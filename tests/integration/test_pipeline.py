@@ -138,7 +138,10 @@ def test_2_2_launched_into_a_file_is_bit_identical_and_reports_well(cache_dir, t
     assert any("all 6 actors ready" in x for x in lines)
     phases = {(e["actor"], e["phase"]) for e in map(json.loads, (run / "events.log").read_text().splitlines())
               if e["event"] == "starting"}
-    assert {("target.1", "load target weights"), ("optimizer.0", "restore weights and optimizer state")} <= phases
+    # The two targets map the one copy of the weights the job read (share_weights auto).
+    assert {("target.1", "map shared weights"), ("optimizer.0", "restore weights and optimizer state")} <= phases
+    assert not any(a.startswith("target") and p == "load target weights" for a, p in phases)
+    assert any("read once into shared memory for 2 target(s)" in x for x in lines), lines
     stages = summary["stages"]
     assert set(stages) == {"loader", "target", "drafter", "optimizer"}
     assert stages["drafter"]["busy_s"] > 0 and stages["target"]["tflops"] > 0 and stages["drafter"]["mfu"] is None

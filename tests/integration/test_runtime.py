@@ -77,7 +77,7 @@ def test_status_file_shows_live_actors_and_a_stopped_one_as_stuck(tmp_path):
             seen["up"], seen["up_verdict"] = poll(lambda st, v: all(a["state"] in ("idle", "working")
                                                                     for a in st["actors"].values())
                                                   and st["batches"]["committed"] > 20, "every actor up")
-            seen["children"] = {p.pid for p in psutil.Process().children()}
+            seen["children"] = {p.pid for p in psutil.Process().children(recursive=True)}
             pid = seen["up"]["actors"]["target.0"]["pid"]
             os.kill(pid, signal.SIGSTOP)
             try:

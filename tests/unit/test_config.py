@@ -61,6 +61,8 @@ def test_overrides_and_topology():
     ("drafter.init_parts=[layers, head]", "drafter.init_parts: unknown ['head']"),
     ("train.position_weight=flat", "train.position_weight: must be one of ['decay', 'dpace']"),
     ("train.loss=kl", "train.loss: must be one of ['ce', 'distill']"),
+    ("target.share_weights=always", "target.share_weights: must be one of ['auto', 'on', 'off']"),
+    ("runtime.start_method=fork", "runtime.start_method: must be one of ['auto', 'forkserver', 'spawn']"),
     ("target.feature_cache=yes", "target.feature_cache: must be one of ['off', 'memory', 'disk']"),
 ])
 def test_bad_values_name_the_key_path(override, message):

@@ -1,0 +1,169 @@
+"""The target's weights read once into shared host memory, mapped by every target actor.
+
+Without this, each target actor reads and parses the whole checkpoint itself, on every
+start and restart: minutes of an idle GPU per kill at 27B, and one host copy per target
+when two targets of one model share a machine. With ``target.share_weights`` on, the
+job (in the supervisor's process, before anything spawns) loads the model once on the
+CPU in the dtype the targets compute in, and packs every parameter and buffer,
+non-persistent ones included (rotary frequencies), into one flat shared byte tensor:
+one file descriptor to hand to each actor however many tensors the model has (a
+message can carry at most 253). A target actor builds the model's skeleton on the meta
+device from its config (no allocation, no initialisation) and then
+  * on CPU uses views of the shared bytes as its parameters: zero copy, so every target
+    of the host computes on the one copy;
+  * on a GPU page-locks the shared bytes once and copies each tensor to its device.
+Tied weights stay tied: names that shared a tensor in the loaded model share an offset.
+The memory is the torch ``file_descriptor`` strategy's, unlinked at creation, so no
+ending, clean or killed, leaves anything in ``/dev/shm``. The target's self-check runs
+on the model the actor built, so a packing mistake stops the job before training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+ALIGN = 64
+"""Byte alignment of each tensor in the flat buffer (a cache line; enough for any dtype)."""
+
+SHARE_FRACTION = 0.5
+"""``share_weights: auto`` shares when the weights take at most this much of the host's
+available memory (the rest stays for the rings, the cache and the actors)."""
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """One model's tensors in one shared byte buffer: ``entries`` are
+    ``(name, dtype, shape, offset)``, several names at one offset where tensors are tied."""
+
+    flat: torch.Tensor
+    entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Name -> a view of the shared bytes (tied names get the very same view)."""
+        views: dict[int, torch.Tensor] = {}
+        out = {}
+        for name, dtype, shape, offset in self.entries:
+            if offset not in views:
+                dt = getattr(torch, dtype)
+                n = _numel(shape) * dt.itemsize
+                views[offset] = self.flat[offset:offset + n].view(dt).view(shape)
+            out[name] = views[offset]
+        return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+def pack(model: nn.Module) -> SharedWeights:
+    """Every parameter and buffer of ``model`` copied into one shared buffer; each source
+    tensor is emptied once copied, so the peak stays near one model's size."""
+    named = _named_tensors(model)
+    offsets: dict[int, int] = {}
+    entries, total, order = [], 0, []
+    for name, t in named:
+        key = id(t)
+        if key not in offsets:
+            offsets[key] = total
+            order.append((t, total))
+            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offsets[key]))
+    flat = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
+    dtypes = {str(t.dtype) for t, _ in order}
+    with torch.no_grad():
+        for t, off in order:
+            n = t.numel() * t.element_size()
+            flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+            t.data = torch.empty(0, dtype=t.dtype)
+    return SharedWeights(flat, tuple(entries), ",".join(sorted(d.removeprefix("torch.") for d in dtypes)))
+
+
+def share_target(path: Path, dtype: torch.dtype) -> SharedWeights:
+    """Load the target at ``path`` once on the CPU in ``dtype`` and pack it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return pack(model)
+
+
+def build_on(path: Path, weights: SharedWeights, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The target at ``path`` with ``weights`` as its tensors: views of the shared memory
+    on CPU, copies (from page-locked memory) on a GPU. Raises if the skeleton has a
+    tensor the shared weights lack, or the other way round."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..runtime.channels import page_lock
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    shared = weights.tensors()
+    names = {name for name, _ in _named_tensors(model)}
+    if names != set(shared):
+        missing, extra = sorted(names - set(shared)), sorted(set(shared) - names)
+        raise ValueError(f"target.share_weights: the shared weights do not fit the model built from {path} "
+                         f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    if device.type == "cuda":
+        page_lock([weights.flat], "target.share_weights")
+        placed = {id(t): t.to(device, non_blocking=True) for t in shared.values()}
+        torch.cuda.synchronize(device)
+    else:
+        placed = {id(t): t for t in shared.values()}
+    params: dict[int, nn.Parameter] = {}
+    for name, t in shared.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        local = placed[id(t)]
+        if attr in module._parameters:
+            module._parameters[attr] = params.setdefault(id(t), nn.Parameter(local, requires_grad=False))
+        else:
+            module._buffers[attr] = local
+    return model.eval()
+
+
+def weight_bytes(path: Path, dtype: torch.dtype) -> int:
+    """The checkpoint's size once loaded in ``dtype``, from its safetensors headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                total += _numel(st.get_slice(k).get_shape()) * dtype.itemsize
+    return total
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def decide(setting: str, nbytes: int, targets: int, available: int | None = None) -> tuple[bool, str]:
+    """Whether to share (``target.share_weights``) and the one line that says so;
+    ``available``: host memory free for it (None: psutil's figure now)."""
+    free = psutil.virtual_memory().available if available is None else available
+    size = _size(nbytes)
+    if setting == "off":
+        return False, f"target weights: {size} read from disk by each of {targets} target(s) (share_weights off)"
+    if setting == "auto" and nbytes > SHARE_FRACTION * free:
+        return False, (f"target weights: {size} read from disk by each target (share_weights auto: more than "
+                       f"{SHARE_FRACTION:.0%} of the {_size(free)} of host memory available)")
+    how = "share_weights on" if setting == "on" else f"share_weights auto: {_size(free)} available"
+    return True, (f"target weights: {size} read once into shared memory for {targets} target(s) and their "
+                  f"restarts ({how})")

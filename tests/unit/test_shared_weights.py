@@ -1,0 +1,56 @@
+"""``target.share_weights``: the target's tensors packed once into one shared buffer, a
+target built on them that computes the same bits as one read from disk, zero copy on
+CPU, tied weights kept tied, and a mismatch refused."""
+
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dflash_actors.models import shared_weights as sw
+from dflash_actors.models.target import ensure_target, load_target
+
+
+def test_a_target_on_shared_weights_computes_the_same_bits_in_place(tiny):
+    cfg, target = tiny
+    path = ensure_target(cfg)
+    weights = sw.share_target(path, torch.float32)
+    assert weights.flat.is_shared() and weights.nbytes >= sw.weight_bytes(path, torch.float32) > 0
+    shared = load_target(cfg, weights=weights)
+    ids = torch.randint(0, target.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(shared.hidden(ids), target.hidden(ids))
+    # Every parameter and buffer (rotary frequencies too) is a view of the one buffer.
+    lo, hi = weights.flat.data_ptr(), weights.flat.data_ptr() + weights.nbytes
+    tensors = [*shared.model.parameters(), *shared.model.buffers()]
+    assert tensors and all(lo <= t.data_ptr() < hi for t in tensors)
+    # What an actor receives pickles whole (one buffer, whatever the tensor count).
+    again = pickle.loads(ForkingPickler.dumps(weights))
+    assert len(again.entries) == len(weights.entries) > 10
+
+
+def test_tied_weights_stay_tied_and_a_foreign_model_is_refused(tmp_path):
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
+    weights = sw.share_target(tmp_path / "tied", torch.float32)
+    model = sw.build_on(tmp_path / "tied", weights, torch.device("cpu"), torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    names = [e[0] for e in weights.entries]
+    assert "lm_head.weight" in names and len({e[3] for e in weights.entries}) < len(names)
+    LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 3})).save_pretrained(tmp_path / "deeper")
+    with pytest.raises(ValueError, match="do not fit the model"):
+        sw.build_on(tmp_path / "deeper", weights, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("setting, nbytes, available, share, says", [
+    ("auto", 2 * 10**9, 8 * 10**9, True, "2.00 GB read once into shared memory for 2 target(s)"),
+    ("auto", 6 * 10**9, 8 * 10**9, False, "more than 50% of the 8.00 GB"),
+    ("on", 6 * 10**9, 8 * 10**9, True, "share_weights on"),
+    ("off", 10**6, 8 * 10**9, False, "1.0 MB read from disk by each of 2 target(s)"),
+])
+def test_auto_shares_what_fits_and_says_so_in_one_line(setting, nbytes, available, share, says):
+    got, line = sw.decide(setting, nbytes, 2, available)
+    assert got is share and says in line and "\n" not in line
