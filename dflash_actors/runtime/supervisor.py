@@ -59,6 +59,7 @@ import psutil
 import torch
 import torch.multiprocessing as tmp
 
+from . import forking
 from .actor import Actor, ActorContext, Heartbeats
 from .boot import Deferred, boot
 from .channels import Ring, RingSpec
@@ -66,7 +67,6 @@ from .config import ConfigError, RuntimeConfig
 from .dispatch import Dispatcher, Stage
 from .events import EventLog
 from .files import write_atomically
-from .forker import SUPERVISOR_PID_ENV
 from .ledger import Ledger
 from .messages import ActorError, Done, Note, Ready, Starting, Stop
 from .policy import Decision, RestartPolicy
@@ -178,8 +178,9 @@ class Supervisor:
                                      {c.number: (stages.index(c.stage), c.index) for c in self.children})
         self.state = JobState.RUNNING
         self.reason: Optional[str] = None     # why it stops, once it does
-        self.start_method = start_method(runtime.start_method)
-        self._mp = tmp.get_context(self.start_method)
+        self.start_method = forking.resolve(runtime.start_method)
+        self._mp = tmp.get_context("spawn")     # pipes; and the processes under spawn
+        self._server = forking.ForkServerStarter() if self.start_method == "forkserver" else None
         self._forker_pid = os.getpid()   # the process each actor is forked from
         self._stop_signal: Optional[str] = None
         self._failure: Optional[str] = None
@@ -201,7 +202,7 @@ class Supervisor:
         try:
             self._log("start", reason="job begins", actors=[c.actor_id for c in self.children],
                       batches=len(self.ledger), committed_before=len(self.ledger) - self.dispatcher.remaining())
-            if self.start_method == "forkserver":
+            if self._server is not None:
                 self._start_forkserver()
             for c in self.children:
                 self._spawn(c, "initial start")
@@ -211,8 +212,8 @@ class Supervisor:
             raise
         finally:
             self._stop_children(result.reason if result else "supervisor error")
-            if self.start_method == "forkserver":
-                stop_forkserver()
+            if self._server is not None:
+                self._server.stop()
             restore()
             if result is not None:
                 # After the stop: Done messages read while the actors finished count too.
@@ -303,8 +304,8 @@ class Supervisor:
             trace_dir=str(self.run_dir) if self.cfg.trace else None, trace_window=self._window,
             faults=tuple((i, f) for i, f in enumerate(self.cfg.faults) if f.actor == c.actor_id), fired=self.fired,
             work_times=self.work_times, stage=self.dispatcher.stages.index(s))
-        proc = self._mp.Process(target=boot, args=(self._forker_pid, Deferred((s.actor, ctx))),
-                                name=c.actor_id, daemon=True)
+        Process = self._server.Process if self._server is not None else self._mp.Process
+        proc = Process(target=boot, args=(self._forker_pid, Deferred((s.actor, ctx))), name=c.actor_id, daemon=True)
         proc.start()
         child_conn.close()
         c.proc, c.conn, c.ready, c.hung, c.error = proc, parent_conn, False, None, None
@@ -325,7 +326,7 @@ class Supervisor:
         modules = [f"{__package__}.forker", "torch"]
         for stage in self.dispatcher.stages:
             modules += [stage.actor.__module__, *stage.actor.PRELOAD]
-        self._forker_pid = start_forkserver(list(dict.fromkeys(modules)), os.getpid())
+        self._forker_pid = self._server.start(list(dict.fromkeys(modules)), os.getpid())
         self._log("forkserver", pid=self._forker_pid, preload=modules[1:],
                   reason="actors fork from a server that imported these once")
 
@@ -612,42 +613,3 @@ def _phase(starting: Optional[dict], now: float) -> Optional[dict]:
     return {"name": starting["name"], "done": starting["done"], "total": starting["total"],
             "elapsed_s": round(now - starting["since"], 1), "idle_s": round(now - starting["last"], 1)}
 
-
-# -- how actor processes start --------------------------------------------------
-
-
-def start_method(configured: str) -> str:
-    """``runtime.start_method`` resolved: auto is forkserver where the platform has it."""
-    if configured == "auto":
-        return "forkserver" if "forkserver" in tmp.get_all_start_methods() else "spawn"
-    return configured
-
-
-def start_forkserver(modules: list[str], supervisor_pid: int) -> int:
-    """(Re)start the standard library's fork server with ``modules`` preloaded; its pid.
-
-    The server is one per process: one left by an earlier run of this process is
-    stopped first, since a running server keeps the preload list it started with. The
-    imports happen in the server before it serves the first fork (whose ``Process.start``
-    returns at once; the child waits for them). The environment variable that tells
-    ``forker`` whom to die with is set for the server's start only."""
-    from multiprocessing import forkserver
-
-    stop_forkserver()
-    forkserver.set_forkserver_preload(modules)
-    os.environ[SUPERVISOR_PID_ENV] = str(supervisor_pid)
-    try:
-        forkserver.ensure_running()
-    finally:
-        os.environ.pop(SUPERVISOR_PID_ENV, None)
-    return forkserver._forkserver._forkserver_pid
-
-
-def stop_forkserver() -> None:
-    """Stop this process's fork server, if one runs (its children are gone by now:
-    the supervisor stops its actors first)."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is not None:
-        server._stop()

