@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import sys
 import time
 from multiprocessing import forkserver, popen_forkserver, process, reduction, spawn, util
 from multiprocessing.context import set_spawning_popen
@@ -96,14 +97,22 @@ class ForkServerStarter:
         """Start the server with ``modules`` imported before it serves the first fork
         (that fork's ``Process.start`` returns at once; the child waits for the
         imports); its pid. ``forker`` learns whom to die with from the environment,
-        set for this start only."""
+        set for this start only; so does the server's ``sys.path``: ours, as spawn gives
+        a child (the stdlib's server does not apply the path it is handed before its
+        imports, and a failed preload import is silently skipped)."""
         _SERVERS[self._key] = self._server
         self._server.set_forkserver_preload(modules)
+        saved = {k: os.environ.get(k) for k in (SUPERVISOR_PID_ENV, "PYTHONPATH")}
         os.environ[SUPERVISOR_PID_ENV] = str(supervisor_pid)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         try:
             self._server.ensure_running()
         finally:
-            os.environ.pop(SUPERVISOR_PID_ENV, None)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return self._server._forkserver_pid
 
     @property
