@@ -16,6 +16,7 @@ import ctypes
 import os
 import pickle
 import signal
+import sys
 from multiprocessing.reduction import ForkingPickler
 
 PR_SET_PDEATHSIG = 1
@@ -44,10 +45,22 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _check_fork_is_cuda_safe() -> None:
+    """A process forked (from the fork server) after CUDA was initialised there cannot
+    use CUDA at all; say so plainly instead of failing later, deep in a model's first
+    kernel. (Spawned children have not imported torch yet: nothing to check.)"""
+    torch = sys.modules.get("torch")
+    in_bad_fork = getattr(getattr(torch, "cuda", None), "_is_in_bad_fork", None)
+    if in_bad_fork is not None and in_bad_fork():
+        raise RuntimeError("this actor was forked from a process that had initialised CUDA; "
+                           "use runtime.start_method=spawn, or keep CUDA out of module imports")
+
+
 def boot(parent_pid: int, payload: bytes, entry: str = "dflash_actors.runtime.actor:actor_main") -> None:
     """Process target: arm the parent-death signal, then load ``payload`` (the pickled
     argument tuple) and call ``entry`` (``module:function``) with it."""
     die_with_parent(parent_pid)
+    _check_fork_is_cuda_safe()
     args = pickle.loads(payload)
     module, _, name = entry.partition(":")
     fn = getattr(__import__(module, fromlist=[name]), name)

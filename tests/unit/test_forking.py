@@ -1,0 +1,44 @@
+"""runtime.forking: a private fork server per supervisor, its children, its stop; and
+boot's refusal to run in a fork that inherited initialised CUDA."""
+
+import os
+import sys
+
+import psutil
+import pytest
+import torch
+
+from dflash_actors.runtime import boot, forking
+
+
+def _exit_with_parent_pid_mod_256():
+    os._exit(os.getppid() % 256)
+
+
+def test_children_fork_from_the_private_server_and_stop_takes_it_away():
+    starter = forking.ForkServerStarter()
+    env = dict(os.environ)
+    pid = starter.start(["dflash_actors.runtime.forker", "json"], os.getpid())
+    try:
+        assert psutil.Process(pid).ppid() == os.getpid()
+        assert dict(os.environ) == env              # what the server needed was set for its start only
+        proc = starter.Process(target=_exit_with_parent_pid_mod_256)
+        proc.start()
+        proc.join(30)
+        assert proc.exitcode == pid % 256           # its parent was the server, not us
+    finally:
+        starter.stop()
+    assert starter.pid is None and not psutil.pid_exists(pid)
+
+
+def test_auto_is_forkserver_on_linux():
+    assert forking.resolve("auto") == ("forkserver" if sys.platform == "linux" else "spawn")
+    assert forking.resolve("spawn") == "spawn"
+
+
+def test_a_fork_with_initialised_cuda_is_refused_plainly(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    with pytest.raises(RuntimeError, match="forked from a process that had initialised CUDA"):
+        boot._check_fork_is_cuda_safe()
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    boot._check_fork_is_cuda_safe()
