@@ -97,14 +97,14 @@ class ForkServerStarter:
         """Start the server with ``modules`` imported before it serves the first fork
         (that fork's ``Process.start`` returns at once; the child waits for the
         imports); its pid. ``forker`` learns whom to die with from the environment,
-        set for this start only; so does the server's ``sys.path``: ours, as spawn gives
-        a child (the stdlib's server does not apply the path it is handed before its
+        set for this start only; so does the server's ``sys.path``: ``PYTHONPATH``, then
+        ours, as spawn gives a child (the stdlib's server does not apply the path it is handed before its
         imports, and a failed preload import is silently skipped)."""
         _SERVERS[self._key] = self._server
         self._server.set_forkserver_preload(modules)
         saved = {k: os.environ.get(k) for k in (SUPERVISOR_PID_ENV, "PYTHONPATH")}
         os.environ[SUPERVISOR_PID_ENV] = str(supervisor_pid)
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        os.environ["PYTHONPATH"] = os.pathsep.join([*filter(None, [saved["PYTHONPATH"]]), *filter(None, sys.path)])
         try:
             self._server.ensure_running()
         finally:
