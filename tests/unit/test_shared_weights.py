@@ -34,8 +34,10 @@ def test_tied_weights_stay_tied_and_a_foreign_model_is_refused(tmp_path):
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
-    weights = sw.share_target(tmp_path / "tied", torch.float32)
+    tied = LlamaForCausalLM(config)
+    tied.save_pretrained(tmp_path / "tied")
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    weights = sw.pack(tied)
     model = sw.build_on(tmp_path / "tied", weights, torch.device("cpu"), torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     names = [e[0] for e in weights.entries]
