@@ -73,6 +73,7 @@ class Launched:
         cmd = [sys.executable, "launch.py", *args, "--run-dir", str(run_dir)]
         for s in sets:
             cmd += ["--set", s]
+        self.killed: set[int] = set()
         self.t0 = time.time()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -88,11 +89,14 @@ class Launched:
         raise TimeoutError("no first step")
 
     def ready_pid(self, actor: str, timeout: float = 300) -> int:
+        """The pid status.json gives for a ready ``actor``; not one killed before (the
+        file is rewritten about once a second, so it can still name the victim)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             st = read_json(self.run_dir / "status.json") or {}
             a = st.get("actors", {}).get(actor)
-            if a and a.get("pid") and a.get("state") in ("idle", "working") and a.get("phase") is None:
+            if a and a.get("pid") and a.get("state") in ("idle", "working") and a.get("phase") is None \
+                    and a["pid"] not in self.killed:
                 return a["pid"]
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the job ended: {self.proc.stderr.read()[-1500:]}")
@@ -104,6 +108,7 @@ class Launched:
         pid = self.ready_pid(actor)
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
+        self.killed.add(pid)
         end = t_kill + 300
         while time.monotonic() < end:
             for e in events(self.run_dir):
@@ -176,7 +181,28 @@ def big_target() -> tuple[Path, int]:
     return out, weight_bytes(out, torch.float32)
 
 
-def big_restarts(path: Path, share: str, kills: int, tmp: Path) -> list[float]:
+WEIGHT_PHASES = ("load target weights", "map shared weights", "copy shared weights to device")
+
+
+def phase_seconds(run_dir: Path, actor: str) -> list[dict]:
+    """Per start of ``actor`` after the first: seconds in its weights phase and in its
+    self-check (from ``starting`` events to the next one, and to Ready)."""
+    out, cur = [], None
+    for e in events(run_dir):
+        if e.get("actor") != actor:
+            continue
+        if e["event"] == "starting" and e.get("phase") in WEIGHT_PHASES:
+            cur = {"weights_at": e["mono"]}
+        elif e["event"] == "starting" and e.get("phase") == "self-check features" and cur:
+            cur["check_at"] = e["mono"]
+        elif e["event"] == "ready" and cur and "check_at" in cur:
+            out.append({"weights_s": round(cur["check_at"] - cur["weights_at"], 3),
+                        "self_check_s": round(e["mono"] - cur["check_at"], 3)})
+            cur = None
+    return out[1:]
+
+
+def big_restarts(path: Path, share: str, kills: int, tmp: Path) -> tuple[list[float], list[dict]]:
     say(f"1 GB target restarts, share_weights {share}")
     job = Launched(tmp / f"big-{share}", ["--topology", "1-1"],
                    [f"target.path={path}", f"target.share_weights={share}", "drafter.target_layer_ids=[1, 8, 13]",
@@ -187,7 +213,7 @@ def big_restarts(path: Path, share: str, kills: int, tmp: Path) -> list[float]:
         for _ in range(kills):
             times.append(job.restart_s("target.0"))
             time.sleep(0.3)
-        return times
+        return times, phase_seconds(job.run_dir, "target.0")
     finally:
         job.stop()
 
@@ -198,13 +224,16 @@ def main(argv=None) -> int:
     ap.add_argument("--big-kills", type=int, default=3)
     ap.add_argument("--skip-smollm", action="store_true")
     ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--only-big", action="store_true", help="only the large target's restarts")
     args = ap.parse_args(argv)
     out: dict = {"bench": "startup", "cpus": os.cpu_count(), "kills_per_role": args.kills}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        runs = {m: demo(m, args.kills, tmp) for m in ("spawn", "forkserver")}
+        if args.only_big:
+            args.skip_smollm = True
+        runs = {} if args.only_big else {m: demo(m, args.kills, tmp) for m in ("spawn", "forkserver")}
         allk = {m: runs[m].pop("all") for m in runs}
-        out.update({"demo": runs,
+        out.update({} if args.only_big else {"demo": runs,
                     "spawn_first_step_s": runs["spawn"]["first_step_s"],
                     "fast_first_step_s": runs["forkserver"]["first_step_s"],
                     "spawn_restart_s_median": round(statistics.median(allk["spawn"]), 3),
@@ -218,12 +247,12 @@ def main(argv=None) -> int:
             out["smollm2_1_1"] = "skipped: needs make smollm and python -m benchmarks.bench_real's prepared data"
         if not args.skip_big:
             path, nbytes = big_target()
-            off = big_restarts(path, "off", args.big_kills, tmp)
-            on = big_restarts(path, "on", args.big_kills, tmp)
+            (off, off_phases), (on, on_phases) = (big_restarts(path, s, args.big_kills, tmp) for s in ("off", "on"))
             out.update({"target_bytes": nbytes, "target_shape": f"Qwen3 {BIG}, random, float32",
                         "target_restart_disk_s": round(statistics.median(off), 3),
                         "target_restart_shared_s": round(statistics.median(on), 3),
-                        "target_restarts": {"off": off, "on": on}})
+                        "target_restarts": {"off": off, "on": on},
+                        "target_restart_phases": {"off": off_phases, "on": on_phases}})
     print(json.dumps(out))
     return 0
 
