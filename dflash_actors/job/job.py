@@ -223,8 +223,11 @@ class Job:
 
     def _feature_format(self) -> tuple[int, str]:
         """Width and dtype name of the target's features: the feature slots' and the cache's."""
-        dtype = resolve_dtype(self.cfg.target.dtype, torch.device(self.pre.devices.targets[0]))
-        return feature_width(self.cfg, self.target), dtype_name(dtype)
+        return feature_width(self.cfg, self.target), dtype_name(self._target_dtype())
+
+    def _target_dtype(self) -> torch.dtype:
+        """What the targets compute in (the first target's device decides auto)."""
+        return resolve_dtype(self.cfg.target.dtype, torch.device(self.pre.devices.targets[0]))
 
     def _share_weights(self) -> None:
         """The target's weights in shared memory for the job's life, when
@@ -233,7 +236,7 @@ class Job:
             return
         from ..models.target import ensure_target
 
-        dtype = resolve_dtype(self.cfg.target.dtype, torch.device(self.pre.devices.targets[0]))
+        dtype = self._target_dtype()
         path = ensure_target(self.cfg)
         share, line = shared_weights.decide(self.cfg.target.share_weights, shared_weights.weight_bytes(path, dtype),
                                             self.cfg.topology.num_targets)
@@ -301,11 +304,11 @@ class Job:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / rundir.SAVED_CONFIG).write_text(dump_config(self.cfg))
         rollbacks = 0
+        if self.start.version < self.schedule.total_steps:
+            self._share_weights()       # once: a rollback keeps the job's copy
         while True:
             if self.start.version == self.schedule.total_steps:
                 return self._finish(0, "already complete", {}, rollbacks)
-            if self.weights is None:
-                self._share_weights()
             if self.cache_plan is not None and self.cache is None:
                 try:
                     self._open_cache()

@@ -42,7 +42,6 @@ class SharedWeights:
 
     flat: torch.Tensor
     entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
-    dtype: str
 
     @property
     def nbytes(self) -> int:
@@ -86,13 +85,12 @@ def pack(model: nn.Module) -> SharedWeights:
             total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offsets[key]))
     flat = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
-    dtypes = {str(t.dtype) for t, _ in order}
     with torch.no_grad():
         for t, off in order:
             n = t.numel() * t.element_size()
             flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
             t.data = torch.empty(0, dtype=t.dtype)
-    return SharedWeights(flat, tuple(entries), ",".join(sorted(d.removeprefix("torch.") for d in dtypes)))
+    return SharedWeights(flat, tuple(entries))
 
 
 def share_target(path: Path, dtype: torch.dtype) -> SharedWeights:

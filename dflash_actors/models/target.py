@@ -113,11 +113,14 @@ class TargetModel:
         return self.hidden(batch.padded())[row, col]
 
     @torch.no_grad()
-    def logits_and_hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next-token logits ``[B, L, V]`` and selected layers ``[B, L, k*H]`` (evaluation only)."""
+    def logits_and_hidden(self, input_ids: torch.Tensor,
+                          layer_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next-token logits ``[B, L, V]`` and the layers ``layer_ids`` (default: the
+        drafter's) ``[B, L, k*H]`` from the model's own forward (evaluation, self-check)."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, output_hidden_states=True)
-        return out.logits, torch.cat([out.hidden_states[L + 1] for L in self.layer_ids], dim=-1)
+        ids = self.layer_ids if layer_ids is None else layer_ids
+        return out.logits, torch.cat([out.hidden_states[L + 1] for L in ids], dim=-1)
 
 
     @torch.no_grad()
@@ -162,10 +165,8 @@ def self_check(target: TargetModel, length: int = 24, seed: int = 0) -> None:
     width = target.hidden_size
     tol = SELF_CHECK_TOLERANCE.get(target.dtype, 3e-2)
     for s, (ids, feats) in enumerate(zip(seqs, got)):
-        positions = torch.arange(len(ids), device=target.device)[None]
-        out = target.model(input_ids=ids[None].to(target.device), position_ids=positions, use_cache=False,
-                           output_hidden_states=True)
-        want = torch.cat([out.hidden_states[L + 1][0] for L in target.feature_ids], dim=-1).float()
+        _, want = target.logits_and_hidden(ids[None].to(target.device), target.feature_ids)
+        want = want[0].float()
         for i, layer in enumerate(target.feature_ids):
             a, b = feats[:, i * width:(i + 1) * width], want[:, i * width:(i + 1) * width]
             err, scale = float((a - b).abs().max()), float(b.abs().max())

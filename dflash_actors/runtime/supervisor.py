@@ -548,7 +548,7 @@ class Supervisor:
         rss, cpu = _usage(self._ps)
         return {"time": round(time.time(), 3), "state": self.state.value, "reason": self.reason,
                 "supervisor_pid": os.getpid(), "start_method": self.start_method,
-                "forkserver_pid": self._forker_pid if self.start_method == "forkserver" else None,
+                "forkserver_pid": self._server.pid if self._server is not None else None,
                 "supervisor_started": self._ps.create_time(), "supervisor": {"rss_mb": rss, "cpu_pct": cpu},
                 "stuck_after_s": self.cfg.stuck_s, "hang_timeout_s": self.cfg.hang_timeout_s,
                 "actors": actors, "rings": self.dispatcher.occupancy(),
@@ -612,4 +612,3 @@ def _phase(starting: Optional[dict], now: float) -> Optional[dict]:
         return None
     return {"name": starting["name"], "done": starting["done"], "total": starting["total"],
             "elapsed_s": round(now - starting["since"], 1), "idle_s": round(now - starting["last"], 1)}
-
