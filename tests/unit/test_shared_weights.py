@@ -35,8 +35,10 @@ def test_tied_weights_stay_tied_and_a_foreign_model_is_refused(tmp_path):
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     tied = LlamaForCausalLM(config)
+    # Tied by hand: whether transformers ties at construction varied in a long test
+    # process; what is tested here is that a tie in the source survives the packing.
+    tied.lm_head.weight = tied.model.embed_tokens.weight
     tied.save_pretrained(tmp_path / "tied")
-    assert tied.lm_head.weight is tied.model.embed_tokens.weight
     weights = sw.pack(tied)
     model = sw.build_on(tmp_path / "tied", weights, torch.device("cpu"), torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight
