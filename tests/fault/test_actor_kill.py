@@ -31,8 +31,9 @@ def test_kill9_each_role_mid_batch_twice(tmp_path):
     assert [d["actor"] for d in died] == plan
     assert all(d["reason"] == "killed by SIGKILL" for d in died)
     for strike, d in zip(striker.strikes, died):
-        # The batch in hand went back (or, if it committed in the last instant, was settled).
-        assert strike["batch"] in d["put_back"] + d["settled"]
+        # The batch in hand at death went back (or, if it committed in the last instant, was settled).
+        assert strike["at_death"] is not None, "the successor wrote its row before the striker read it"
+        assert strike["at_death"] == -1 or strike["at_death"] in d["put_back"] + d["settled"]
     assert any(d["put_back"] for d in died)
 
 

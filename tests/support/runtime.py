@@ -66,6 +66,17 @@ class Striker(threading.Thread):
             time.sleep(0.002)
         raise TimeoutError("striker waited too long")
 
+    def _batch_at_death(self, actor_id, pid):
+        """The batch the killed process held when it died (-1: idle), from its own
+        heartbeat row. The batch read before the kill can be stale: in the instant
+        between that read and the signal, the actor may finish it and take the next.
+        None if the successor overwrote the row before it could be read."""
+        end = time.monotonic() + self.timeout
+        while not all_gone([pid], 0.0) and time.monotonic() < end:
+            time.sleep(0.0005)   # a forked successor can be up within tens of ms
+        row = self._row(actor_id)[1]
+        return row["batch"] if row["pid"] == pid else None
+
     def run(self):
         try:
             for actor_id in self.plan:
@@ -78,8 +89,10 @@ class Striker(threading.Thread):
                 if hb is None:
                     return
                 os.kill(hb["pid"], self.sig)
-                self.strikes.append({"actor": actor_id, "pid": hb["pid"], "batch": hb["batch"],
-                                     "mono": time.monotonic()})
+                strike = {"actor": actor_id, "pid": hb["pid"], "batch": hb["batch"], "mono": time.monotonic()}
+                if self.sig == signal.SIGKILL:
+                    strike["at_death"] = self._batch_at_death(actor_id, hb["pid"])
+                self.strikes.append(strike)
                 if self.wait_replacement:
                     def replaced(actor_id=actor_id, old=hb["pid"]):
                         c, row = self._row(actor_id)
