@@ -83,15 +83,23 @@ def run_dir_of(args: argparse.Namespace, node) -> tuple[Optional[str], bool]:
     return given, resume
 
 
-def settle(args: argparse.Namespace):
-    """``(node, resume, config, preflight)``, each made once (module docstring)."""
+def settle(args: argparse.Namespace, early=None):
+    """``(node, resume, config, preflight)``, each made once (module docstring).
+    ``early`` (``job.forkserver.EarlyForkServer``) starts once the config is read, before
+    torch is imported and the data checked, so that its imports overlap theirs."""
     from dflash_actors import console
     from dflash_actors.cluster.node import node_spec
-    from dflash_actors.job.preflight import check_data, preflight
     node = node_spec(args.nnodes, args.node_rank, args.master)
     run_dir, resume = run_dir_of(args, node)
     sets = [parse_override(text) for text in args.overrides]
     cfg = config_of(args, sets, node, run_dir, resume)
+    if early is not None:
+        early.start(cfg)
+    # The job reports progress itself (status.json, the summary); model-loading bars from
+    # transformers would only interleave with it.
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    from dflash_actors.job.preflight import check_data, preflight
     devices = auto_devices(args.devices) if args.topology == "auto" else None     # before the data: it fails fast
     console.setup(cfg.monitor.console, cfg.monitor.log_every_s)
     data = check_data(cfg)
@@ -184,24 +192,28 @@ def main(argv=None) -> int:
     if argv[:1] and argv[0] in COMMANDS:
         return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
     args = parse_args(argv)
-    # The job reports progress itself (status.json, the summary); model-loading bars from
-    # transformers would only interleave with it.
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
     # c10d logs every broken connection with a C++ backtrace; a lost node is reported
-    # in one line instead (read when torch loads, which the next import does).
+    # in one line instead (read when torch loads, in this process and the fork server).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from dflash_actors.job.forkserver import EarlyForkServer
+    early = None if args.plan_only else EarlyForkServer()
+    served = False
     try:
-        node, resume, cfg, pre = settle(args)
+        node, resume, cfg, pre = settle(args, early)
         if args.plan_only:
             print(plan_line(cfg, pre))
             return 0
         from dflash_actors.job.job import Job
-        job = Job(cfg, resume=resume, node=node, pre=pre)
+        job = Job(cfg, resume=resume, node=node, pre=pre, forkserver=early.server)
     except (ValueError, OSError) as e:   # ConfigError, DatasetError, ResumeError are ValueErrors
         print(f"error: {first_line(e)}", file=sys.stderr)
         return 2
-    return job.run().exit_code
+    else:
+        served = True
+        return job.run().exit_code
+    finally:
+        if early is not None:
+            early.stop(served)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from ..observe.monitor import Monitor, accounting
 from ..observe.status import JobStatus
 from ..runtime.channels import dtype_name
 from ..runtime.events import EventLog
+from ..runtime.forking import ForkServerStarter
 from ..runtime.supervisor import JobResult, JobState, Supervisor
 from ..train import feature_cache
 from ..train.checkpoint import (
@@ -172,10 +173,13 @@ class Job:
     does the rest and releases the lock."""
 
     def __init__(self, cfg: Config, resume: bool = False, progress: bool = True, node: Optional[NodeSpec] = None,
-                 pre: Optional[Preflight] = None):
+                 pre: Optional[Preflight] = None, forkserver: Optional[ForkServerStarter] = None):
         """``pre``: the preflight of ``cfg`` for this node, when the caller made it
-        (``launch.py`` does); None: made here."""
+        (``launch.py`` does); None: made here. ``forkserver``: a server the caller
+        started for every attempt's actors (``job.forkserver``); None: each attempt's
+        supervisor starts its own."""
         self.t0 = time.perf_counter()
+        self.forkserver = forkserver
         self.cfg, self.run_dir, self.progress = cfg, Path(cfg.runtime.run_dir), progress
         self.node = node = node or NodeSpec()
         self.link: Optional[Link] = None
@@ -358,7 +362,7 @@ class Job:
             on_status = with_cache_status(on_status, self.cache)
         sup = Supervisor(cfg.runtime, stages, rings, sched.total_batches,
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
-                         num_threads=cfg.train.num_threads, on_status=on_status)
+                         num_threads=cfg.train.num_threads, on_status=on_status, forkserver=self.forkserver)
         monitor.watch(sup.work_times, stages)
         if self.link is not None:
             sh = self.shared

@@ -19,8 +19,6 @@ import fcntl
 import os
 from pathlib import Path
 
-from ..train.checkpoint import list_checkpoints
-
 LOCK_FILE = ".lock"
 SAVED_CONFIG = "config.yaml"
 
@@ -55,6 +53,9 @@ def resume_config(run_dir: str | Path, given: str | None) -> str | None:
         raise RunDirError(f"--resume: {p} does not exist")
     if not p.is_dir():
         raise RunDirError(f"--resume: {p} is a file, not a run directory")
+    # Imported here: it brings torch, which launch.py loads only after the fork server
+    # has started (job.forkserver).
+    from ..train.checkpoint import list_checkpoints
     if not saved.is_file() and not list_checkpoints(p):
         raise RunDirError(f"--resume: {p} is not a run directory (no config.yaml, no complete checkpoint)")
     if given is not None:

@@ -14,6 +14,7 @@ server and a ``Process`` class that forks from it; the server itself is the stdl
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import signal
 import sys
@@ -21,8 +22,6 @@ import time
 from multiprocessing import forkserver, popen_forkserver, process, reduction, spawn, util
 from multiprocessing.context import set_spawning_popen
 from typing import Optional
-
-import torch.multiprocessing as tmp
 
 from .forker import SUPERVISOR_PID_ENV
 
@@ -33,7 +32,7 @@ STOP_WAIT_S = 2.0
 def resolve(configured: str) -> str:
     """``runtime.start_method`` resolved: auto is forkserver where the platform has it."""
     if configured == "auto":
-        return "forkserver" if "forkserver" in tmp.get_all_start_methods() else "spawn"
+        return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     return configured
 
 
@@ -87,6 +86,8 @@ class ForkServerStarter:
     def __init__(self):
         self._server = forkserver.ForkServer()
         self._key = id(self._server)
+        self.preload: tuple[str, ...] = ()
+        """What the server imports before it serves a fork, ``forker`` first."""
 
     def Process(self, **kwargs) -> ServerProcess:
         proc = ServerProcess(**kwargs)
@@ -94,14 +95,16 @@ class ForkServerStarter:
         return proc
 
     def start(self, modules: list[str], supervisor_pid: int) -> int:
-        """Start the server with ``modules`` imported before it serves the first fork
-        (that fork's ``Process.start`` returns at once; the child waits for the
-        imports); its pid. ``forker`` learns whom to die with from the environment,
-        set for this start only; so does the server's ``sys.path``: ``PYTHONPATH``, then
-        ours, as spawn gives a child (the stdlib's server does not apply the path it is handed before its
-        imports, and a failed preload import is silently skipped)."""
+        """Start the server with ``forker`` and then ``modules`` imported before it serves
+        the first fork (that fork's ``Process.start`` returns at once; the child waits
+        for the imports); its pid. ``forker`` learns whom to die with from the
+        environment, set for this start only; so does the server's ``sys.path``:
+        ``PYTHONPATH``, then ours, as spawn gives a child (the stdlib's server does not
+        apply the path it is handed before its imports, and a failed preload import is
+        silently skipped)."""
         _SERVERS[self._key] = self._server
-        self._server.set_forkserver_preload(modules)
+        self.preload = tuple(dict.fromkeys([f"{__package__}.forker", *modules]))
+        self._server.set_forkserver_preload(list(self.preload))
         saved = {k: os.environ.get(k) for k in (SUPERVISOR_PID_ENV, "PYTHONPATH")}
         os.environ[SUPERVISOR_PID_ENV] = str(supervisor_pid)
         os.environ["PYTHONPATH"] = os.pathsep.join([*filter(None, [saved["PYTHONPATH"]]), *filter(None, sys.path)])
@@ -119,14 +122,15 @@ class ForkServerStarter:
     def pid(self) -> Optional[int]:
         return getattr(self._server, "_forkserver_pid", None)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
         """Close the server's pipe, which tells it to exit; kill it if it has not within
-        ``STOP_WAIT_S`` (its children are gone by now: the supervisor stops its actors first)."""
+        ``wait_s`` (its children are gone by now: the supervisor stops its actors first).
+        A server still importing notices the pipe only once its imports are done."""
         pid = self.pid
         if pid is None:
             return
         os.close(self._server._forkserver_alive_fd)
-        end = time.monotonic() + STOP_WAIT_S
+        end = time.monotonic() + wait_s
         while os.waitpid(pid, os.WNOHANG) == (0, 0):
             if time.monotonic() > end:
                 os.kill(pid, signal.SIGKILL)

@@ -149,12 +149,15 @@ def check_faults(faults, actors: dict[str, type]) -> None:
 class Supervisor:
     def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec],
                  n_batches: int, *, meta_cols: int = 0, first_batch: int = 0, num_threads: int = 1,
-                 on_status: Optional[Callable[[dict], None]] = None):
+                 on_status: Optional[Callable[[dict], None]] = None,
+                 forkserver: Optional[forking.ForkServerStarter] = None):
         """Allocates every shared buffer (rings, ledger, heartbeats); spawns nothing yet.
         Batch ids are ``0 .. n_batches-1``; those below ``first_batch`` count as committed
         (a resumed run). ``meta_cols``: ints per ledger row for the first stage to fill.
         ``on_status(status)`` runs before each status.json write and may add keys (the
-        training job adds its step and loss, and moves its progress bar)."""
+        training job adds its step and loss, and moves its progress bar). ``forkserver``:
+        a server its caller started (and stops) to fork this job's actors from, when
+        ``runtime.start_method`` is forkserver; None: the supervisor starts its own."""
         self.cfg = runtime
         self.run_dir = Path(runtime.run_dir)
         self.rings = {spec.name: Ring.allocate(spec) for spec in rings}
@@ -180,7 +183,8 @@ class Supervisor:
         self.reason: Optional[str] = None     # why it stops, once it does
         self.start_method = forking.resolve(runtime.start_method)
         self._mp = tmp.get_context("spawn")     # pipes; and the processes under spawn
-        self._server = forking.ForkServerStarter() if self.start_method == "forkserver" else None
+        self._own_server = forkserver is None
+        self._server = None if self.start_method != "forkserver" else forkserver or forking.ForkServerStarter()
         self._forker_pid = os.getpid()   # the process each actor is forked from
         self._stop_signal: Optional[str] = None
         self._failure: Optional[str] = None
@@ -212,7 +216,7 @@ class Supervisor:
             raise
         finally:
             self._stop_children(result.reason if result else "supervisor error")
-            if self._server is not None:
+            if self._server is not None and self._own_server:
                 self._server.stop()
             restore()
             if result is not None:
@@ -320,15 +324,23 @@ class Supervisor:
 
     def _start_forkserver(self) -> None:
         """Start the fork server every actor of this run is forked from, with its
-        imports: ``forker`` first (the server dies with us), torch, each stage's actor
-        module and what the actors name in ``PRELOAD``. The first actors wait for those
-        imports (their "fork" phase); restarts do not."""
-        modules = [f"{__package__}.forker", "torch"]
+        imports: torch, each stage's actor module and what the actors name in
+        ``PRELOAD``; or use the one the caller started, saying what it lacks (an actor
+        imports that itself, on every start). The first actors wait for the imports
+        (their "fork" phase); restarts do not."""
+        modules = ["torch"]
         for stage in self.dispatcher.stages:
             modules += [stage.actor.__module__, *stage.actor.PRELOAD]
-        self._forker_pid = self._server.start(list(dict.fromkeys(modules)), os.getpid())
-        self._log("forkserver", pid=self._forker_pid, preload=modules[1:],
-                  reason="actors fork from a server that imported these once")
+        modules = list(dict.fromkeys(modules))
+        if self._own_server:
+            self._forker_pid = self._server.start(modules, os.getpid())
+            self._log("forkserver", pid=self._forker_pid, preload=modules,
+                      reason="actors fork from a server that imported these once")
+        else:
+            self._forker_pid = self._server.pid
+            self._log("forkserver", pid=self._forker_pid, preload=list(self._server.preload[1:]),
+                      not_preloaded=[m for m in modules if m not in self._server.preload],
+                      reason="actors fork from the server started at launch, whose imports overlapped the checks")
 
     def _read(self, c: _Child) -> None:
         while True:

@@ -4,12 +4,13 @@ options derive (a topology, faults) reaches the preflight and the job as data.""
 
 import json
 
+import psutil
 import pytest
 
 import launch
 from dflash_actors import config
 from dflash_actors.data import batching
-from dflash_actors.job import preflight
+from dflash_actors.job import forkserver, preflight
 from tests.support.pipeline import SMALL
 
 
@@ -42,3 +43,40 @@ def test_each_input_is_read_once(options, counted, tmp_path, cache_dir, capsys):
         chosen = next(line for line in err.splitlines() if line.startswith("topology auto:")).split()[2]
         assert chosen == f"{len(plan['targets'])}-{len(plan['drafters'])}"
         assert "--chaos 4: 10 faults" in err
+
+
+def _fork_servers() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if "forkserver" in " ".join(p.cmdline())]
+
+
+def test_the_fork_server_starts_with_the_config_and_serves_the_job(tmp_path, cache_dir):
+    """launch.py starts the server before the checks; the job forks every actor from it,
+    and no module an actor imports is missing from its preload."""
+    run_dir = tmp_path / "run"
+    argv = ["--topology", "1-1", "--run-dir", str(run_dir)]
+    for kv in SMALL + [f"data.cache_dir={cache_dir}", "train.epochs=1", "runtime.start_method=forkserver"]:
+        argv += ["--set", kv]
+    assert launch.main(argv) == 0
+    events = [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines()]
+    server = next(e for e in events if e["event"] == "forkserver")
+    assert "started at launch" in server["reason"] and server["not_preloaded"] == [], server
+    assert not _fork_servers()
+
+
+def test_bad_input_after_the_fork_server_started_stops_it(tmp_path, cache_dir, capsys, monkeypatch):
+    """Data that fails its check is found after the config, when the server is already
+    importing: exit 2 all the same, the server gone and nothing written."""
+    started = []
+    start = forkserver.EarlyForkServer.start
+
+    def spy(self, cfg):
+        start(self, cfg)
+        started.append(self.server.pid)
+    monkeypatch.setattr(forkserver.EarlyForkServer, "start", spy)
+    run_dir = tmp_path / "run"
+    argv = ["--run-dir", str(run_dir), "--set", f"data.path={tmp_path / 'no-such-data'}",
+            "--set", "runtime.start_method=forkserver", "--set", f"data.cache_dir={cache_dir}"]
+    assert launch.main(argv) == 2
+    assert "dataset not found" in capsys.readouterr().err
+    assert len(started) == 1 and not psutil.pid_exists(started[0]), started
+    assert not _fork_servers() and not run_dir.exists()

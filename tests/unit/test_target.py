@@ -139,6 +139,14 @@ class _ScaledTeacher(TargetModel):
         return torch.cat([out[..., :-h], 2.0 * out[..., -h:]], dim=-1)
 
 
+class _UnpackedTarget(TargetModel):
+    """A wrapper that forgets the packing: the batch runs as one text, so a sequence
+    sees the ones before it and its positions do not restart."""
+
+    def features(self, batch):
+        return self.hidden(batch.input_ids[None].to(self.device))[0]
+
+
 def test_self_check_passes_a_correct_wrapper_and_names_the_wrong_layer(cfg):
     t = load_target(cfg)
     self_check(t)
@@ -152,3 +160,6 @@ def test_self_check_passes_a_correct_wrapper_and_names_the_wrong_layer(cfg):
     self_check(TargetModel(t.model, t.layer_ids, teacher=True))
     with pytest.raises(SelfCheckError, match=rf"layer {t.num_layers - 1} features differ"):
         self_check(_ScaledTeacher(t.model, t.layer_ids, teacher=True))
+    # A leak between packed sequences shows on the second one.
+    with pytest.raises(SelfCheckError, match=r"on packed sequence 1"):
+        self_check(_UnpackedTarget(t.model, t.layer_ids))
