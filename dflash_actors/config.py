@@ -125,7 +125,8 @@ class TargetConfig:
     self_check: bool = True
     """Each target actor checks at start that its packed-batch features equal the
     model's plain forward (``output_hidden_states``) at the configured layers, and
-    stops the job before training if they differ."""
+    stops the job before training if they differ. With shared weights on CPU, once per
+    job: a restart computes on the very bytes the first start checked."""
     feature_cache: Literal["off", "memory", "disk"] = "off"
     """Offline mode for repeated epochs: a sample's features are computed once, in the
     first batch that holds it, and reused by later epochs instead of running the target

@@ -10,9 +10,12 @@ Contract:
   waits for a free feature slot (reserved by the supervisor before dispatch)
   on start checks its features against the model's plain forward (``target.self_check``);
             a mismatch raises ``SelfCheckFailed`` and stops the job before training
+            (once per job on CPU with shared weights: every start computes on the
+            bytes the first one checked, ``models.shared_weights``)
   on restart reloads the target (maps the job's shared copy of its weights with
-            ``target.share_weights``, else reads the checkpoint); whatever it held is put back to LOADED, its batch slot
-            untouched, and recomputed by whichever target is free.
+            ``target.share_weights``, else reads the checkpoint); whatever it held is
+            put back to LOADED, its batch slot untouched, and recomputed by whichever
+            target is free.
 With ``target.feature_cache`` (``train.feature_cache``) the features of samples seen in
 an earlier batch come from the job's cache instead (a batch entirely cached skips the
 forward), and the samples this batch is the first to hold are stored there: rows, then
@@ -78,12 +81,15 @@ class Target(Actor):
             self.model = load_target(self.spec.cfg, self.device,
                                      lambda done, total: self.starting("load target weights", done, total),
                                      weights=self.spec.weights)
-            if self.spec.cfg.target.self_check:
+            in_place = self.spec.weights is not None and self.device.type == "cpu"
+            if self.spec.cfg.target.self_check and not (in_place and self.spec.weights.checked.item()):
                 self.starting("self-check features")
                 try:
                     self_check(self.model)
                 except SelfCheckError as e:
                     raise SelfCheckFailed(str(e)) from None
+                if in_place:
+                    self.spec.weights.checked.fill_(1)
         else:
             like = self.out_ring.slot(0)[FEATURES]
             self.fake = torch.zeros(like.shape, dtype=like.dtype, device=self.device)

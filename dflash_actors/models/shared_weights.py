@@ -15,7 +15,10 @@ device from its config (no allocation, no initialisation) and then
 Tied weights stay tied: names that shared a tensor in the loaded model share an offset.
 The memory is the torch ``file_descriptor`` strategy's, unlinked at creation, so no
 ending, clean or killed, leaves anything in ``/dev/shm``. The target's self-check runs
-on the model the actor built, so a packing mistake stops the job before training.
+on the model the actor built, so a packing mistake stops the job before training. On
+CPU every target computes on the very bytes the first one checked, with the code of
+the same fork server: a restart there records nothing new by checking them again, so
+it does not (``checked``); a GPU copy, like a read from disk, is checked each time.
 """
 
 from __future__ import annotations
@@ -42,10 +45,19 @@ class SharedWeights:
 
     flat: torch.Tensor
     entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
+    checked: torch.Tensor
+    """One shared flag: a target computing on ``flat`` in place passed its self-check."""
 
     @property
     def nbytes(self) -> int:
         return self.flat.numel()
+
+    def fault_in(self) -> None:
+        """Touch every page of the buffer, so that a CPU target is ready to compute at
+        full speed when it says so: a fresh mapping faults each page on its first use,
+        which would otherwise fall on the first batch after a restart."""
+        PAGE = 4096
+        self.flat[::PAGE].sum()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Name -> a view of the shared bytes (tied names get the very same view)."""
@@ -90,7 +102,7 @@ def pack(model: nn.Module) -> SharedWeights:
             n = t.numel() * t.element_size()
             flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
             t.data = torch.empty(0, dtype=t.dtype)
-    return SharedWeights(flat, tuple(entries))
+    return SharedWeights(flat, tuple(entries), torch.zeros(1, dtype=torch.int8).share_memory_())
 
 
 def share_target(path: Path, dtype: torch.dtype) -> SharedWeights:
@@ -123,6 +135,7 @@ def build_on(path: Path, weights: SharedWeights, device: torch.device, dtype: to
         placed = {id(t): t.to(device, non_blocking=True) for t in shared.values()}
         torch.cuda.synchronize(device)
     else:
+        weights.fault_in()
         placed = {id(t): t for t in shared.values()}
     params: dict[int, nn.Parameter] = {}
     for name, t in shared.items():

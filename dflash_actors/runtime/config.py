@@ -108,7 +108,8 @@ class RuntimeConfig:
     start or restart costs a fork; the server never touches CUDA, and every actor still
     sets its own threads and device. ``spawn``: a fresh interpreter per actor, which
     imports everything itself (seconds each). auto = forkserver where the platform
-    has it (Linux), else spawn."""
+    has it (Linux), else spawn. ``launch.py`` starts the server as soon as the config
+    is read, so that its imports overlap the launching process's own and the checks."""
     stuck_after_s: Optional[float] = checked(None, optional(above(0)))
     """A ready actor whose heartbeat is older than this shows as stuck in
     ``status.json`` (it is killed only at ``hang_timeout_s``); None: a quarter of that."""

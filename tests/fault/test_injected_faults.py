@@ -106,3 +106,23 @@ def test_non_finite_steps_are_skipped_then_stop_the_job(cache_dir, tmp_path):
     # version 5, holds the weights after the 4 good steps, finite.
     assert summary["checkpoint"].endswith("step-0000005")
     assert all(t.isfinite().all() for t in final_weights(run_dir).values())
+
+
+@pytest.mark.parametrize("share", ["on", "off"])
+def test_a_restarted_target_checks_again_only_what_it_reads_anew(cache_dir, tmp_path, share):
+    """On CPU with shared weights the replacement computes on the bytes the first start
+    checked, and skips the check (it still lands on the reference's bits); a target that
+    reads the checkpoint again checks it again."""
+    run_dir = tmp_path / "run"
+    cfg = small_config(cache_dir, run_dir, "1-1", f"target.share_weights={share}", "train.epochs=1",
+                       faults(dict(actor="target.0", at_batch=3, kind="sigkill")))
+    result = Job(cfg, progress=False).run()
+    assert result.exit_code == 0, result.reason
+    ev = events(run_dir)
+    starts = [e for e in ev if e["event"] == "ready" and e["actor"] == "target.0"]
+    checks = [e for e in ev if e["event"] == "starting" and e["phase"] == "self-check features"]
+    assert len(starts) == 2 and len(checks) == (1 if share == "on" else 2), (starts, checks)
+    if share == "on":
+        ref = train_reference(cfg, progress=False)
+        assert losses(run_dir) == ref.losses
+        assert_same_weights(final_weights(run_dir), ref.state_dict)
