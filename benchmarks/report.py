@@ -91,7 +91,8 @@ def _others(benches: dict) -> list[str]:
     su = benches.get("startup", {})
     if "error" not in su and su:
         big = (f"; a {su['target_bytes'] / 1e9:.1f} GB target restarts in {su['target_restart_shared_s']} s "
-               f"with shared weights, {su['target_restart_disk_s']} s reading them" if "target_bytes" in su else "")
+               f"with shared weights, {su['target_restart_disk_s']} s reading them from disk "
+               f"({su.get('target_restart_disk_warm_s')} s from the page cache)" if "target_bytes" in su else "")
         rows.append(["startup", f"demo 2-2 launch to first step: spawn {su['spawn_first_step_s']} s, forkserver "
                                 f"{su['fast_first_step_s']} s; kill -9 to Ready, median over every role: spawn "
                                 f"{su['spawn_restart_s_median']} s, forkserver {su['fast_restart_s_median']} s "
