@@ -54,6 +54,12 @@ from ..train.params import GradAccumulators, WeightStore
 from ..train.schedule import Schedule
 
 
+CHECKPOINT_FLOOR_BYTES_PER_S = 10e6
+"""A checkpoint write (or the hash of one already there) slower than this is taken for
+hung: it beats for at most its bytes at this rate plus ``hang_timeout_s``. A stuck
+filesystem then ends in a restart instead of a job that waits forever."""
+
+
 class RollbackRequired(Escalate):
     """The committed weights or optimizer state cannot be trusted."""
 
@@ -192,7 +198,9 @@ class Optimizer(Actor):
         if self.spec.schedule.node:
             return      # across machines node 0 writes them
         run_dir = cfg.runtime.run_dir
-        with self.beating(), self.span("checkpoint", step=version):
+        # Weights and two moments in fp32, written (or hashed) at no less than the floor rate.
+        limit_s = cfg.runtime.hang_timeout_s + 3 * 4 * self.spec.weights.layout.numel / CHECKPOINT_FLOOR_BYTES_PER_S
+        with self.beating(limit_s), self.span("checkpoint", step=version):
             if verified_checkpoint(run_dir, version) is not None:   # hashes it: beating
                 return
             try:

@@ -33,6 +33,9 @@ from torch import nn
 ALIGN = 64
 """Byte alignment of each tensor in the flat buffer (a cache line; enough for any dtype)."""
 
+PAGE = 4096
+"""Bytes apart that one read per page touches (the smallest page size Linux uses)."""
+
 SHARE_FRACTION = 0.5
 """``share_weights: auto`` shares when the weights take at most this much of the host's
 available memory (the rest stays for the rings, the cache and the actors)."""
@@ -56,7 +59,6 @@ class SharedWeights:
         """Touch every page of the buffer, so that a CPU target is ready to compute at
         full speed when it says so: a fresh mapping faults each page on its first use,
         which would otherwise fall on the first batch after a restart."""
-        PAGE = 4096
         self.flat[::PAGE].sum()
 
     def tensors(self) -> dict[str, torch.Tensor]:

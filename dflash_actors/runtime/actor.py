@@ -224,22 +224,26 @@ class Actor:
         self.ctx.heartbeats.bump(self.ctx.number)
 
     @contextlib.contextmanager
-    def beating(self):
+    def beating(self, limit_s: Optional[float] = None):
         """Beat from a thread while one long blocking call runs (a multi-GB checkpoint
-        write has no loop to beat from). Use sparingly: inside it, a hang is not seen."""
-        with every(self.ctx.heartbeat_s, self.beat):
+        write has no loop to beat from). Inside it a hang is not seen, so give the call
+        ``limit_s``, the longest it may take: past it the beats stop, and the hang
+        detector ends the call ``hang_timeout_s`` later (None: no limit)."""
+        with every(self.ctx.heartbeat_s, self.beat, until_s=limit_s):
             yield
 
 
 @contextlib.contextmanager
-def every(interval_s: float, fn, first_s: Optional[float] = None):
+def every(interval_s: float, fn, first_s: Optional[float] = None, until_s: Optional[float] = None):
     """Call ``fn()`` from a thread every ``interval_s`` (the first time after
-    ``first_s``, if given) while the block runs; it is not called once the block ends."""
+    ``first_s``, if given) while the block runs, for at most ``until_s`` seconds (None:
+    all of it); it is not called once the block ends."""
     done = threading.Event()
+    end = None if until_s is None else time.monotonic() + until_s
 
     def loop():
         wait = interval_s if first_s is None else first_s
-        while not done.wait(wait):
+        while not done.wait(wait) and (end is None or time.monotonic() < end):
             fn()
             wait = interval_s
     t = threading.Thread(target=loop, daemon=True)

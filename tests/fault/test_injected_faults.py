@@ -126,3 +126,18 @@ def test_a_restarted_target_checks_again_only_what_it_reads_anew(cache_dir, tmp_
         ref = train_reference(cfg, progress=False)
         assert losses(run_dir) == ref.losses
         assert_same_weights(final_weights(run_dir), ref.state_dict)
+
+
+def test_a_checkpoint_write_that_hangs_is_ended_as_a_hang(cache_dir, tmp_path):
+    """The write beats from a thread (it has no loop to beat from), but only for as long
+    as its bytes may take: a write stuck past that is killed and the step's checkpoint
+    written again by the replacement."""
+    run_dir = tmp_path / "run"
+    cfg = small_config(cache_dir, run_dir, "1-1", "train.epochs=1", "train.checkpoint_every=2",
+                       "runtime.hang_timeout_s=2", faults(dict(actor="optimizer.0", at_batch=5, kind="hang",
+                                                               at="checkpoint")))
+    result = Job(cfg, progress=False).run()
+    assert result.exit_code == 0, result.reason
+    died = [(e["actor"], e["reason"]) for e in events(run_dir) if e["event"] == "died"]
+    assert len(died) == 1 and died[0][0] == "optimizer.0" and "hung: no heartbeat" in died[0][1], died
+    assert sorted(result.committed) == list(range(len(result.committed))) and result.committed
