@@ -53,7 +53,6 @@ from ..train.optim import build_optimizer, build_scheduler, reduce_and_step, res
 from ..train.params import GradAccumulators, WeightStore
 from ..train.schedule import Schedule
 
-
 CHECKPOINT_FLOOR_BYTES_PER_S = 10e6
 """A checkpoint write (or the hash of one already there) slower than this is taken for
 hung: it beats for at most its bytes at this rate plus ``hang_timeout_s``. A stuck
