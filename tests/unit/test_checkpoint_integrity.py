@@ -193,9 +193,11 @@ class OptimizerStub:
     """What ``Optimizer._maybe_checkpoint`` touches of its actor."""
 
     def __init__(self, run_dir, writer):
-        train, runtime = SimpleNamespace(checkpoint_every=2), SimpleNamespace(run_dir=str(run_dir))
+        train = SimpleNamespace(checkpoint_every=2)
+        runtime = SimpleNamespace(run_dir=str(run_dir), hang_timeout_s=10.0)
         self.spec = SimpleNamespace(cfg=SimpleNamespace(train=train, runtime=runtime),
-                                    schedule=SimpleNamespace(total_steps=10, node=0), weights=None)
+                                    schedule=SimpleNamespace(total_steps=10, node=0),
+                                    weights=SimpleNamespace(layout=SimpleNamespace(numel=100)))
         self.model = SimpleNamespace(save_pretrained=writer)
         self.reported = []
 
@@ -205,7 +207,7 @@ class OptimizerStub:
     def _drafter_writer(self, version):
         return self.model.save_pretrained
 
-    def beating(self):
+    def beating(self, limit_s=None):
         return contextlib.nullcontext()
 
     def span(self, *_, **__):
