@@ -85,10 +85,17 @@ class Striker(threading.Thread):
                     proc = c.proc
                     if proc is not None and c.ready and hb["pid"] == proc.pid and hb["phase"] == Phase.WORKING:
                         return hb
-                hb = self._until(working)
-                if hb is None:
-                    return
-                os.kill(hb["pid"], self.sig)
+                while True:
+                    hb = self._until(working)
+                    if hb is None:
+                        return
+                    try:
+                        os.kill(hb["pid"], self.sig)
+                        break
+                    except ProcessLookupError:
+                        # Dead already (an earlier strike) and reaped by the fork server it
+                        # came from, before the supervisor noticed: wait for its successor.
+                        time.sleep(0.01)
                 strike = {"actor": actor_id, "pid": hb["pid"], "batch": hb["batch"], "mono": time.monotonic()}
                 if self.sig == signal.SIGKILL:
                     strike["at_death"] = self._batch_at_death(actor_id, hb["pid"])
