@@ -197,7 +197,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from dflash_actors.job.forkserver import EarlyForkServer
     early = None if args.plan_only else EarlyForkServer()
-    served = False
     try:
         node, resume, cfg, pre = settle(args, early)
         if args.plan_only:
@@ -209,11 +208,10 @@ def main(argv=None) -> int:
         print(f"error: {first_line(e)}", file=sys.stderr)
         return 2
     else:
-        served = True
         return job.run().exit_code
     finally:
         if early is not None:
-            early.stop(served)
+            early.stop()
 
 
 if __name__ == "__main__":

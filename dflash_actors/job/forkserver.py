@@ -39,9 +39,9 @@ class EarlyForkServer:
         self.server = forking.ForkServerStarter()
         self.server.start(list(PRELOAD), os.getpid())
 
-    def stop(self, served: bool) -> None:
-        """Stop the server: gracefully once it has ``served`` a job (its actors are gone
-        by then), at once otherwise (it is still importing, with nothing forked)."""
+    def stop(self) -> None:
+        """Kill the server: by now it has no children (the job has stopped its actors, or
+        none was forked), and one still importing would notice a closed pipe only later."""
         if self.server is not None:
-            self.server.stop(forking.STOP_WAIT_S if served else 0.0)
+            self.server.stop(wait_s=0.0)
             self.server = None
