@@ -117,8 +117,11 @@ class Monitor:
     def _update(self, status: dict) -> dict:
         now = time.time()
         if self.t_train is None and all(st.get("phase") is None and st["pid"] for st in status["actors"].values()):
-            # Rates count from here: the start-up before it is not training speed.
-            self.t_train = self.t_prev = now
+            # Rates count from the last actor's Ready: the start-up before it is not training
+            # speed. Its time, not this poll's, so that the steps done between the two keep
+            # their intervals (a fast start can finish several before the first poll).
+            ready = [st.get("ready_at") for st in status["actors"].values()]
+            self.t_train = self.t_prev = max(ready) if ready and None not in ready else now
         lines = [self._step_line(s) for s in self._new_steps()]
         step = self.shared.weights.version
         training = self._training(status, step, now)

@@ -115,6 +115,8 @@ class _Child:
     conn: Optional[object] = None
     spawned_at: float = 0.0
     ready: bool = False
+    ready_at: Optional[float] = None
+    """Unix time of this incarnation's Ready: the monitor's rates count from the last actor's."""
     hung: Optional[str] = None
     restarts: int = 0
     policy: Optional[RestartPolicy] = None
@@ -359,7 +361,7 @@ class Supervisor:
                     self._log("starting", actor=c.actor_id, phase=msg.phase)
                 c.starting.update(done=msg.done, total=msg.total, last=now)
             elif isinstance(msg, Ready):
-                c.ready, c.starting = True, None
+                c.ready, c.starting, c.ready_at = True, None, time.time()
                 self.dispatcher.on_ready(c.number)
                 self._log("ready", actor=c.actor_id, pid=msg.pid,
                           startup_s=round(time.monotonic() - c.spawned_at, 3))
@@ -555,6 +557,7 @@ class Supervisor:
                 "busy_pct_30s": self._busy_pct(c, now),
                 "rss_mb": rss, "cpu_pct": cpu, "gpu_mem_mb": round(hb["gpu_mb"], 1) if hb["gpu_mb"] else None,
                 "phase": _phase(c.starting, now) if alive else None,
+                "ready_at": c.ready_at if alive and c.ready else None,
                 "stuck": c.stuck,
             }
         rss, cpu = _usage(self._ps)
