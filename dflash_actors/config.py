@@ -222,13 +222,19 @@ class TopologyConfig:
     nodes: int = checked(1, at_least(1))
     """Machines, each running this N-M topology with its own supervisor (``cluster``);
     ``launch.py`` sets it from ``--nnodes`` or the torchrun/SLURM environment."""
+    target_tp: int = checked(1, at_least(1))
+    """Devices (processes) per target actor: above 1 the target runs tensor parallel
+    over a gang of that many ranks (``runtime.supervisor``: one actor, restarted as
+    one; ``docs/tensor-parallel.md``). ``--topology NxK-M`` sets it to K."""
     target_devices: Optional[tuple[str, ...]] = None
-    """None = cuda:0..N-1 when enough GPUs exist, else cpu."""
+    """None = cuda:0..N*K-1 when enough GPUs exist (a gang's ranks adjacent), else cpu;
+    given: one device per rank, target by target (N*K entries)."""
     drafter_devices: Optional[tuple[str, ...]] = None
     """None = cuda:N..N+M-1 when enough GPUs exist, else cpu."""
 
     def __post_init__(self):
-        for name, n in (("target_devices", self.num_targets), ("drafter_devices", self.num_drafters)):
+        for name, n in (("target_devices", self.num_targets * self.target_tp),
+                        ("drafter_devices", self.num_drafters)):
             devs = getattr(self, name)
             if devs is not None and len(devs) != n:
                 raise ConfigError(f"{name}: needs {n} entries to match the topology (got {list(devs)})")
@@ -347,6 +353,15 @@ class Config:
             raise ConfigError(
                 f"drafter.block_size: must be <= data.max_seq_len={self.data.max_seq_len} "
                 f"(got {self.drafter.block_size})")
+        if self.topology.target_tp > 1:
+            # A gang's ranks each load their own shard from the checkpoint, and only
+            # rank 0 writes features: neither the shared copy nor the cache knows ranks yet.
+            if self.target.share_weights == "on":
+                raise ConfigError("target.share_weights: on shares one unsplit copy, which tensor-parallel "
+                                  f"ranks cannot use (topology.target_tp={self.topology.target_tp}); use auto or off")
+            if self.target.feature_cache != "off":
+                raise ConfigError(f"target.feature_cache: not available with topology.target_tp="
+                                  f"{self.topology.target_tp} yet (a gang computes every batch); use off")
         per_step = self.train.grad_accum * self.topology.num_drafters
         if self.runtime.schedule == "lockstep":
             # A lock-step group holds a whole step's batches in each ring at once.
@@ -402,14 +417,25 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def parse_topology(text: str) -> tuple[int, int]:
-    """``N-M`` -> (targets, drafters)."""
+    """``N-M`` -> (targets, drafters); ``NxK-M`` too (``parse_gang_topology`` keeps the K)."""
+    n, _, m = parse_gang_topology(text)
+    return n, m
+
+
+def parse_gang_topology(text: str) -> tuple[int, int, int]:
+    """``N-M`` or ``NxK-M`` -> (targets, devices per target, drafters): ``2x4-2`` is two
+    targets of four tensor-parallel ranks each (``topology.target_tp``) and two drafters."""
     parts = text.split("-")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ConfigError(f"topology: expected N-M such as 2-2 (got {text!r})")
-    n, m = int(parts[0]), int(parts[1])
+    gang = parts[0].split("x") if len(parts) == 2 else []
+    if len(gang) not in (1, 2) or not all(p.isdigit() for p in (*gang, parts[-1])):
+        raise ConfigError(f"topology: expected N-M such as 2-2, or NxK-M such as 2x4-2 for targets of K "
+                          f"devices each (got {text!r})")
+    n, k, m = int(gang[0]), int(gang[1]) if len(gang) == 2 else 1, int(parts[1])
     if n < 1 or m < 1:
         raise ConfigError(f"topology: needs at least one target and one drafter (got {text!r})")
-    return n, m
+    if k < 1:
+        raise ConfigError(f"topology: a target spans at least one device (got {text!r})")
+    return n, k, m
 
 
 def config_from_dict(raw: dict | None) -> Config:
@@ -442,9 +468,11 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
         if not isinstance(raw, dict):
             raise ConfigError(f"config: {p} must hold a mapping at top level")
     if topology is not None:
-        n, m = parse_topology(topology)
+        n, k, m = parse_gang_topology(topology)
         _set_path(raw, "topology.num_targets", n)
         _set_path(raw, "topology.num_drafters", m)
+        if "x" in topology:
+            _set_path(raw, "topology.target_tp", k)
     for item in overrides:
         key, value = parse_override(item) if isinstance(item, str) else item
         _set_path(raw, key, value)

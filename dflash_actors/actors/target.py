@@ -22,6 +22,12 @@ forward), and the samples this batch is the first to hold are stored there: rows
 a per-sample flag (fault point ``cache``, between the two). An entry that should be
 there and is not is recomputed here, by assembling its first batch from the dataset,
 never waited for; the cache outlives a target's restart.
+With ``topology.target_tp`` K > 1 a target actor is a gang of K processes
+(``runtime.dispatch.Stage.gang``): every rank joins the gang's process group, loads its
+shard (``models.tensor_parallel``) and runs every batch; rank 0 alone copies the batch
+over and writes the features, which are whole on every rank. Its self-check compares
+rank 0's features with the unsplit model too when that fits in host memory, and says
+which it did (event ``self_check``). A dead or hung rank takes the gang with it.
 Under ``runtime.simulate`` the forward is a wait and the features a stamped tensor of
 the slot's width kept in device memory (``simulate``); every copy stays (the cache is
 refused there: there are no features to keep).
@@ -51,7 +57,7 @@ class SelfCheckFailed(Escalate):
 class TargetSpec:
     cfg: Config
     devices: tuple[str, ...]
-    """Target i runs on ``devices[i]``."""
+    """Rank r of target i runs on ``devices[i * K + r]`` (K = ``topology.target_tp``)."""
     schedule: Schedule
     """This node's: the cache plans in the run's (global) batch ids."""
     cache: Optional[FeatureCache] = None
@@ -66,7 +72,8 @@ class Target(Actor):
     PRELOAD = ("dflash_actors.models.target",)
 
     def attach(self) -> None:
-        self.device = torch.device(self.spec.devices[self.ctx.index])
+        ctx = self.ctx
+        self.device = torch.device(self.spec.devices[ctx.index * ctx.gang + ctx.rank])
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.sim = SimulatedCompute.from_config(self.spec.cfg)
@@ -74,18 +81,24 @@ class Target(Actor):
             # Imported here: transformers costs seconds of every start, which a
             # simulated target (and its restarts) need not pay.
             from ..models.target import SelfCheckError, load_target, self_check
-            if self.spec.weights is None:
+            if ctx.gang > 1:
+                from ..models import tensor_parallel
+                self.starting(f"join the gang of {ctx.gang} ranks")
+                tensor_parallel.join(ctx.rendezvous, ctx.rank, ctx.gang, self.device,
+                                     self.spec.cfg.runtime.start_timeout_s)
+                self.starting("load target weights (this rank's shard)")
+            elif self.spec.weights is None:
                 self.starting("load target weights")
             else:
                 self.starting("copy shared weights to device" if self.device.type == "cuda" else "map shared weights")
             self.model = load_target(self.spec.cfg, self.device,
                                      lambda done, total: self.starting("load target weights", done, total),
-                                     weights=self.spec.weights)
+                                     weights=self.spec.weights, world=ctx.gang)
             in_place = self.spec.weights is not None and self.device.type == "cpu"
             if self.spec.cfg.target.self_check and not (in_place and self.spec.weights.checked.item()):
                 self.starting("self-check features")
                 try:
-                    self_check(self.model)
+                    self_check(self.model, reference=self._unsplit() if ctx.gang > 1 and ctx.rank == 0 else None)
                 except SelfCheckError as e:
                     raise SelfCheckFailed(str(e)) from None
                 if in_place:
@@ -98,9 +111,39 @@ class Target(Actor):
         if self.spec.cache is not None and self.device.type == "cuda":
             self.spec.cache.pin()
 
+    def _unsplit(self):
+        """A gang's rank 0: the whole target on the CPU for the self-check, when it takes
+        at most ``SHARE_FRACTION`` of the host's available memory, else None (the check
+        is then against the split model's own forward); the event ``self_check`` says which."""
+        import psutil
+
+        from ..models import shared_weights
+        from ..models.target import ensure_target, load_target, resolve_dtype
+        cfg = self.spec.cfg
+        dtype = resolve_dtype(cfg.target.dtype, self.device)
+        need, free = shared_weights.weight_bytes(ensure_target(cfg), dtype), psutil.virtual_memory().available
+        if need > shared_weights.SHARE_FRACTION * free:
+            self.report("self_check", against="the split model's own forward",
+                        reason=f"the unsplit target needs {need / 2**30:.1f} GiB, over "
+                               f"{shared_weights.SHARE_FRACTION:.0%} of the {free / 2**30:.1f} GiB available")
+            return None
+        self.report("self_check", against="the unsplit model and the split model's own forward",
+                    reason=f"the unsplit target ({need / 2**30:.2f} GiB) fits in host memory")
+        return load_target(cfg.updated({"target.dtype": str(dtype).removeprefix("torch.")}), "cpu")
+
     def work(self, w) -> None:
         b = w.batch_id
         meta = BatchMeta(*self.ledger.meta(b))
+        if self.ctx.rank > 0:
+            # A follower runs the forward for its collectives and keeps nothing: rank 0
+            # writes the features. Rank 0 commits, and the loader may refill the batch
+            # slot, as soon as the last collective is done, while this rank still packs
+            # its copy of the result: so it works on its own copy of the batch.
+            batch = Batch.from_slot(self.in_ring.slot(w.in_slot), meta)
+            batch = Batch(*(t.clone() for t in (batch.input_ids, batch.position_ids, batch.loss_mask,
+                                                batch.cu_seqlens)), batch.max_len)
+            self._forward(batch.to(self.device), meta.n_tokens, b)
+            return
         src, dst = self.in_ring.slot(w.in_slot), self.out_ring.slot(w.out_slot)
         copy_batch(src, dst, meta)
         batch = Batch.from_slot(src, meta).to(self.device, non_blocking=True)

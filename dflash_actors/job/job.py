@@ -242,8 +242,13 @@ class Job:
 
         dtype = self._target_dtype()
         path = ensure_target(self.cfg)
-        share, line = shared_weights.decide(self.cfg.target.share_weights, shared_weights.weight_bytes(path, dtype),
-                                            self.cfg.topology.num_targets)
+        tp = self.cfg.topology.target_tp
+        if tp > 1:      # the config refuses on: ranks load their own shards
+            share, line = False, (f"target weights: each of the {tp} ranks of a target reads its shard from disk "
+                                  f"(target_tp {tp}: share_weights applies to unsplit targets)")
+        else:
+            share, line = shared_weights.decide(self.cfg.target.share_weights,
+                                                shared_weights.weight_bytes(path, dtype), self.cfg.topology.num_targets)
         if share:
             with console.phase("read the target weights into shared memory", self.progress):
                 self.weights = shared_weights.share_target(path, dtype)

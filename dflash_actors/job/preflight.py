@@ -27,12 +27,13 @@ from ..config import Config, ConfigError
 from ..data.batching import EpochPlan, plan_for
 from ..data.dataset import TokenDataset, open_dataset
 from ..data.synthetic import train_path
+from ..models import tensor_parallel
 from ..models.head import TargetInfo, target_info
 from ..runtime.supervisor import check_faults
 from ..train import feature_cache, simulate
 from ..train.schedule import Schedule
 from . import rundir
-from .wiring import Devices, actor_classes, feature_device, resolve_devices
+from .wiring import Devices, actor_classes, feature_device, gang_heads, resolve_devices
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,11 @@ def preflight(cfg: Config, node: int = 0, progress: bool = True, data: Optional[
     check_faults(cfg.runtime.faults, actor_classes(cfg))
     devices = resolve_devices(cfg)
     devices = Devices(devices.targets, devices.drafters,
-                      feature_device(cfg.runtime.feature_transport, devices.targets, devices.drafters))
+                      feature_device(cfg.runtime.feature_transport, gang_heads(devices, cfg.topology.target_tp),
+                                     devices.drafters))
     with console.phase("read the target's config (the tiny default is built once)", progress):
         target = target_info(cfg, "cpu")
+    tensor_parallel.check(cfg, target.config)
     data.dataset.check_values(target.vocab_size, progress=progress)
     with console.phase("plan every epoch", progress):
         sizes = [len(data.plan0)] + [len(plan_for(cfg, data.dataset.lengths, e)) for e in range(1, cfg.train.epochs)]

@@ -88,6 +88,7 @@ class JobShared:
 @dataclass(frozen=True)
 class Devices:
     targets: tuple[str, ...]
+    """One per target rank: target i's gang is ``targets[i*K:(i+1)*K]`` (``topology.target_tp`` K)."""
     drafters: tuple[str, ...]
     features: str = "cpu"
     """Where the feature ring lives (``feature_device``)."""
@@ -122,10 +123,11 @@ def feature_device(transport: str, targets: tuple[str, ...], drafters: tuple[str
 
 
 def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:
-    """Default placement: cuda:0..N-1 for targets then cuda:N..N+M-1 for drafters when
-    that many GPUs exist, else cpu everywhere. Explicit cuda:K beyond the count is an error."""
+    """Default placement: cuda:0..N*K-1 for the targets' ranks (each gang of K on
+    adjacent devices) then cuda:N*K..N*K+M-1 for drafters when that many GPUs exist,
+    else cpu everywhere. Explicit cuda:K beyond the count is an error."""
     top = cfg.topology
-    n, m = top.num_targets, top.num_drafters
+    n, m = top.num_targets * top.target_tp, top.num_drafters
     if cuda_count is None:
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if top.target_devices is None and top.drafter_devices is None:
@@ -151,6 +153,11 @@ def rings(cfg: Config, feature_width: int, feature_dtype: str, feature_device: s
                      ring_fields(b.token_budget, b.max_samples, feature_width, feature_dtype), feature_device)]
 
 
+def gang_heads(devices: Devices, tp: int) -> tuple[str, ...]:
+    """Each target's rank-0 device: the one that writes its features."""
+    return devices.targets[::tp]
+
+
 def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared, train_path: Path,
            first_step: int, cache: Optional[FeatureCache] = None,
            weights: Optional[SharedWeights] = None) -> list[Stage]:
@@ -164,7 +171,7 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
               barrier=schedule.first_of_own_step if lockstep else None,
               spec=LoaderSpec(cfg, schedule, str(train_path))),
         Stage("target", Target, State.LOADED, State.FEATURED, count=cfg.topology.num_targets,
-              in_ring="batch", out_ring="features", credit=1, gather=gather,
+              in_ring="batch", out_ring="features", credit=1, gather=gather, gang=cfg.topology.target_tp,
               spec=TargetSpec(cfg, devices.targets, schedule, cache, weights)),
         Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=cfg.topology.num_drafters,
               in_ring="features", route=schedule.drafter_of, barrier=schedule.first_of_own_step, gather=gather,

@@ -144,10 +144,12 @@ SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16
 
 
 @torch.no_grad()
-def self_check(target: TargetModel, length: int = 16, seed: int = 0) -> None:
+def self_check(target: TargetModel, length: int = 16, seed: int = 0, reference: TargetModel | None = None) -> None:
     """Raise ``SelfCheckError`` unless ``target.features`` of a packed two-sequence batch
     equals, per sequence and per layer, the model's own forward with
-    ``output_hidden_states`` at ``hidden_states[L + 1]`` (layer id L's output).
+    ``output_hidden_states`` at ``hidden_states[L + 1]`` (layer id L's output); and,
+    given a ``reference`` (the unsplit model of a tensor-parallel ``target``, on this
+    process alone), that model's own forward as well.
 
     This is what a wrong layer mapping, a leak between packed sequences, position ids
     that do not restart, or a model-specific forward the wrapper bypasses would break;
@@ -167,17 +169,22 @@ def self_check(target: TargetModel, length: int = 16, seed: int = 0) -> None:
                   torch.ones(sum(lens), dtype=torch.int8),
                   torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32), max(lens))
     got = target.features(batch).float().split(lens)
-    _, want = target.logits_and_hidden(text[None].to(target.device), target.feature_ids)
-    want = want[0].float()
+    refs = [("the model's own forward", target)] + ([("the unsplit model", reference)] if reference else [])
+    for what, model in refs:
+        _, want = model.logits_and_hidden(text[None].to(model.device), target.feature_ids)
+        _compare(got, want[0].float().to(got[0].device), target, what,
+                 max(SELF_CHECK_TOLERANCE.get(target.dtype, 3e-2), SELF_CHECK_TOLERANCE.get(model.dtype, 3e-2)))
+
+
+def _compare(got: tuple[torch.Tensor, ...], want: torch.Tensor, target: TargetModel, what: str, tol: float) -> None:
     width = target.hidden_size
-    tol = SELF_CHECK_TOLERANCE.get(target.dtype, 3e-2)
     for s, feats in enumerate(got):
         for i, layer in enumerate(target.feature_ids):
             a, b = feats[:, i * width:(i + 1) * width], want[:len(feats), i * width:(i + 1) * width]
             err, scale = float((a - b).abs().max()), float(b.abs().max())
             if not err <= tol * max(scale, 1.0):
                 raise SelfCheckError(
-                    f"target.self_check: layer {layer} features differ from the model's own forward "
+                    f"target.self_check: layer {layer} features differ from {what} "
                     f"(hidden_states[{layer + 1}]) on packed sequence {s}: max error {err:.3g}, "
                     f"activations up to {scale:.3g}, tolerance {tol:g} relative ({target.dtype})")
 
@@ -208,7 +215,7 @@ def ensure_target(cfg) -> Path:
 
 
 def load_target(cfg, device: str | torch.device = "cpu",
-                progress: Callable[[int, int], None] | None = None, weights=None) -> TargetModel:
+                progress: Callable[[int, int], None] | None = None, weights=None, world: int = 1) -> TargetModel:
     """The target ``cfg.target`` names, frozen on ``device``.
 
     ``target.path`` is a local HF directory, ``pkg:NAME`` for a model shipped inside an
@@ -217,6 +224,8 @@ def load_target(cfg, device: str | torch.device = "cpu",
     total)`` is called as the weights load, about twice a second. With ``weights``
     (``shared_weights.SharedWeights``, ``target.share_weights``) nothing is read from
     disk but the config: the model computes on the shared memory, or a device copy of it.
+    ``world`` > 1: this rank's shard of a tensor-parallel gang whose process group this
+    process has joined (``tensor_parallel``).
     """
     device = torch.device(device)
     path = ensure_target(cfg)
@@ -225,6 +234,14 @@ def load_target(cfg, device: str | torch.device = "cpu",
         from .shared_weights import build_on
 
         model = build_on(path, weights, device, dtype)
+    elif world > 1:
+        from . import tensor_parallel
+
+        with weight_progress(progress):
+            model = tensor_parallel.load_shard(path, dtype, world)
+        if not tensor_parallel.is_sharded(model):
+            raise ValueError(f"topology.target_tp: transformers loaded {path} whole on every rank instead of "
+                             f"split {world} ways")
     else:
         try:
             with weight_progress(progress):

@@ -153,6 +153,13 @@ class ActorContext:
     work_times: Optional[torch.Tensor] = None
     """Shared float64 [batches, stages]: seconds the stage's ``work`` took on each batch."""
     stage: int = 0                     # this actor's column in ``work_times``
+    rank: int = 0
+    """Within a gang (``Stage.gang``): rank 0 is the actor the ledger knows; ranks
+    above it do every Work item alongside it (their collectives need them) and
+    commit nothing. ``number`` is then the rank's own heartbeat row."""
+    gang: int = 1
+    rendezvous: Optional[str] = None
+    """A gang's ``tcp://host:port`` for its process group: new at every (re)start."""
 
 
 class Actor:
@@ -312,6 +319,11 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
         actor.work(msg)
         if actor.slow:      # 10x: nine more times the work's own duration, beating
             _sleep_beating(actor, 9 * (time.monotonic() - t0))
+        if ctx.rank > 0:    # a gang's follower: rank 0 commits for the gang
+            done += 1
+            hb.set(n, phase=Phase.IDLE, batch=-1, done=done, busy=hb.busy(n, time.monotonic()), work_t0=0,
+                   gpu_mb=_gpu_mb())
+            continue
         actor.fault_point("commit", b)
         t1 = time.monotonic()
         if times is not None:   # before the commit: once the batch is final, so is its time

@@ -77,6 +77,11 @@ class Stage:
     (None: every result does). Results since an actor's last durable batch are redone
     after its death."""
     credit: int = 2
+    gang: int = 1
+    """Processes per actor: above 1, each actor is a gang of that many ranks (a
+    tensor-parallel target). Every rank gets the same Work in the same order; rank 0
+    alone writes the output, commits and says Done; the death or hang of any rank
+    kills and restarts them all, as one restart (``supervisor``)."""
     spec: Any = None
     """What every actor of this stage receives as ``self.spec``: a frozen dataclass of
     what the role needs, pickled once per spawn (shared tensors travel as fds)."""

@@ -106,6 +106,19 @@ class JobResult:
 
 
 @dataclass
+class _Rank:
+    """A gang's rank above 0 (``Stage.gang``): its own process, pipe and heartbeat row."""
+    rank: int
+    number: int
+    """Its heartbeat row, after every actor's."""
+    proc: Optional[object] = None
+    conn: Optional[object] = None
+    ready: bool = False
+    hung: Optional[str] = None
+    error: Optional[ActorError] = None
+
+
+@dataclass
 class _Child:
     actor_id: str
     number: int
@@ -130,6 +143,10 @@ class _Child:
     ps: Optional[psutil.Process] = None
     busy: collections.deque = field(default_factory=collections.deque)
     """(monotonic, busy seconds) samples of the last ``BUSY_WINDOW_S``."""
+    followers: list = field(default_factory=list)
+    """A gang's ranks 1..k-1 (``_Rank``); the fields above are rank 0's, and ``ready``
+    means every rank is."""
+    rank0_ready: bool = False
 
 
 def check_faults(faults, actors: dict[str, type]) -> None:
@@ -172,7 +189,11 @@ class Supervisor:
             for k in range(stage.count):
                 self.children.append(_Child(f"{stage.role}.{k}", len(self.children), stage, k,
                                             policy=RestartPolicy(runtime.max_restarts, runtime.restart_window_s)))
-        self.heartbeats = Heartbeats.allocate(len(self.children))
+        rows = len(self.children)
+        for c in self.children:
+            c.followers = [_Rank(r, rows + r - 1) for r in range(1, c.stage.gang)]
+            rows += c.stage.gang - 1
+        self.heartbeats = Heartbeats.allocate(rows)
         self.work_times = torch.zeros(n_batches, len(stages), dtype=torch.float64).share_memory_()
         """Seconds each stage's ``work`` took on each batch (written by the actor that
         committed it): what the training job's per-step accounting reads."""
@@ -273,9 +294,18 @@ class Supervisor:
             for c in self.children:
                 if c.conn is not None and c.conn in ready:
                     self._read(c)
+                for f in c.followers:
+                    if f.conn is not None and f.conn in ready:
+                        self._read_follower(c, f)
             for c in self.children:
-                if c.proc is not None and c.proc.sentinel in ready:
+                if c.proc is None:
+                    continue
+                if c.proc.sentinel in ready:
                     failure = failure or self._on_exit(c)
+                else:
+                    first = next((f for f in c.followers if f.proc is not None and f.proc.sentinel in ready), None)
+                    if first is not None:
+                        failure = failure or self._on_exit(c, first)
             if failure:
                 return self._stopping(failure)
             t0 = time.monotonic()
@@ -299,22 +329,15 @@ class Supervisor:
     # -- children --------------------------------------------------------------
 
     def _spawn(self, c: _Child, reason: str) -> None:
-        parent_conn, child_conn = self._mp.Pipe(duplex=True)
+        """Start ``c``: one process, or a gang's every rank (rank 0 first), with a new
+        rendezvous: a collective group does not outlive any of its ranks."""
         s = c.stage
-        ctx = ActorContext(
-            actor_id=c.actor_id, number=c.number, index=c.index, parent_pid=os.getpid(),
-            conn=child_conn, ledger=self.ledger, heartbeats=self.heartbeats,
-            heartbeat_s=self.cfg.heartbeat_s, num_threads=self.num_threads, to_state=s.to_state,
-            in_ring=self.rings[s.in_ring] if s.in_ring else None,
-            out_ring=self.rings[s.out_ring] if s.out_ring else None, spec=s.spec,
-            trace_dir=str(self.run_dir) if self.cfg.trace else None, trace_window=self._window,
-            faults=tuple((i, f) for i, f in enumerate(self.cfg.faults) if f.actor == c.actor_id), fired=self.fired,
-            work_times=self.work_times, stage=self.dispatcher.stages.index(s))
-        Process = self._server.Process if self._server is not None else self._mp.Process
-        proc = Process(target=boot, args=(self._forker_pid, Deferred((s.actor, ctx))), name=c.actor_id, daemon=True)
-        proc.start()
-        child_conn.close()
-        c.proc, c.conn, c.ready, c.hung, c.error = proc, parent_conn, False, None, None
+        rendezvous = f"tcp://127.0.0.1:{_free_port()}" if s.gang > 1 else None
+        proc, parent_conn = self._start(c, c.number, 0, rendezvous)
+        c.proc, c.conn, c.ready, c.rank0_ready, c.hung, c.error = proc, parent_conn, False, False, None, None
+        for f in c.followers:
+            f.proc, f.conn = self._start(c, f.number, f.rank, rendezvous)
+            f.ready, f.hung, f.error = False, None, None
         c.spawned_at = time.monotonic()
         first = "fork" if self.start_method == "forkserver" else "start process, import"
         c.starting = {"name": first, "done": None, "total": None, "since": c.spawned_at, "last": c.spawned_at}
@@ -322,7 +345,31 @@ class Supervisor:
             c.ps = psutil.Process(proc.pid)
         except psutil.Error:
             c.ps = None     # gone already; its sentinel says so
-        self._log("spawn", actor=c.actor_id, pid=proc.pid, reason=reason)
+        ranks = {"ranks": [proc.pid] + [f.proc.pid for f in c.followers]} if c.followers else {}
+        self._log("spawn", actor=c.actor_id, pid=proc.pid, reason=reason, **ranks)
+
+    def _start(self, c: _Child, number: int, rank: int, rendezvous: Optional[str]):
+        """One process of ``c`` (``rank`` of its gang, heartbeat row ``number``) and the
+        supervisor's end of its pipe."""
+        parent_conn, child_conn = self._mp.Pipe(duplex=True)
+        s = c.stage
+        ctx = ActorContext(
+            actor_id=c.actor_id, number=number, index=c.index, parent_pid=os.getpid(),
+            conn=child_conn, ledger=self.ledger, heartbeats=self.heartbeats,
+            heartbeat_s=self.cfg.heartbeat_s, num_threads=self.num_threads, to_state=s.to_state,
+            in_ring=self.rings[s.in_ring] if s.in_ring else None,
+            out_ring=self.rings[s.out_ring] if s.out_ring else None, spec=s.spec,
+            # Rank 0 is the actor its track and faults name; the others only follow it.
+            trace_dir=str(self.run_dir) if self.cfg.trace and rank == 0 else None, trace_window=self._window,
+            faults=tuple((i, f) for i, f in enumerate(self.cfg.faults) if f.actor == c.actor_id) if rank == 0 else (),
+            fired=self.fired, work_times=self.work_times, stage=self.dispatcher.stages.index(s),
+            rank=rank, gang=s.gang, rendezvous=rendezvous)
+        Process = self._server.Process if self._server is not None else self._mp.Process
+        name = c.actor_id if rank == 0 else f"{c.actor_id}.rank{rank}"
+        proc = Process(target=boot, args=(self._forker_pid, Deferred((s.actor, ctx))), name=name, daemon=True)
+        proc.start()
+        child_conn.close()
+        return proc, parent_conn
 
     def _start_forkserver(self) -> None:
         """Start the fork server every actor of this run is forked from, with its
@@ -361,10 +408,8 @@ class Supervisor:
                     self._log("starting", actor=c.actor_id, phase=msg.phase)
                 c.starting.update(done=msg.done, total=msg.total, last=now)
             elif isinstance(msg, Ready):
-                c.ready, c.starting, c.ready_at = True, None, time.time()
-                self.dispatcher.on_ready(c.number)
-                self._log("ready", actor=c.actor_id, pid=msg.pid,
-                          startup_s=round(time.monotonic() - c.spawned_at, 3))
+                c.rank0_ready = True
+                self._gang_ready(c)
             elif isinstance(msg, Note):
                 self._log(msg.event, actor=c.actor_id, **msg.fields)
             elif isinstance(msg, ActorError):
@@ -374,11 +419,64 @@ class Supervisor:
             else:
                 raise TypeError(f"{c.actor_id} sent {msg!r}")
 
-    def _on_exit(self, c: _Child) -> Optional[JobResult]:
-        """A child's process ended while running: recover, then restart or give up."""
+    def _gang_ready(self, c: _Child) -> None:
+        """``c`` is ready once every rank of it is: then it gets Work."""
+        if c.ready or not c.rank0_ready or not all(f.ready for f in c.followers):
+            return
+        c.ready, c.starting, c.ready_at = True, None, time.time()
+        self.dispatcher.on_ready(c.number)
+        self._log("ready", actor=c.actor_id, pid=c.proc.pid, startup_s=round(time.monotonic() - c.spawned_at, 3))
+
+    def _read_follower(self, c: _Child, f: _Rank) -> None:
+        """A gang rank above 0 says Ready, what it starts, notes and its error; no Done."""
+        while True:
+            try:
+                if not f.conn.poll():
+                    return
+                msg = f.conn.recv()
+            except (EOFError, OSError):
+                return
+            if isinstance(msg, Ready):
+                f.ready = True
+                self._gang_ready(c)
+            elif isinstance(msg, Note):
+                self._log(msg.event, actor=c.actor_id, rank=f.rank, **msg.fields)
+            elif isinstance(msg, ActorError):
+                f.error = msg
+                self._log("actor_error", actor=c.actor_id, rank=f.rank, reason=msg.one_line(),
+                          traceback=msg.traceback_text)
+            elif not isinstance(msg, Starting):     # rank 0 speaks for the gang's start
+                raise TypeError(f"{c.actor_id} rank {f.rank} sent {msg!r}")
+
+    def _end_gang(self, c: _Child, first: Optional[_Rank]) -> Optional[str]:
+        """After one rank of a gang ended: the cause, when a rank above 0 (``first``) ended
+        first, then every other rank killed (its collectives cannot go on) and reaped."""
+        cause = None
+        if first is not None:
+            self._read_follower(c, first)
+            first.proc.join()
+            cause = f"rank {first.rank} " + _cause(first.proc.exitcode, first.hung, first.error)
+            if first.error is not None:
+                c.last_error = c.error = first.error
+        for p in [c.proc] + [f.proc for f in c.followers]:
+            if p is not None and p.exitcode is None:
+                p.kill()
+        for f in c.followers:
+            if f.proc is not None:
+                f.proc.join()
+                self._read_follower(c, f)
+                f.conn.close()
+                f.proc.close()
+                f.proc, f.conn = None, None
+        return cause
+
+    def _on_exit(self, c: _Child, first: Optional[_Rank] = None) -> Optional[JobResult]:
+        """A child's process ended while running (for a gang: any rank's, ``first`` when
+        not rank 0): recover, then restart or give up."""
+        gang_cause = self._end_gang(c, first) if c.followers else None
         self._read(c)
         c.proc.join()
-        cause = self._exit_cause(c)
+        cause = gang_cause or self._exit_cause(c)
         c.conn.close()
         c.proc.close()   # its sentinel fd; a long run restarts many times
         c.proc, c.conn = None, None
@@ -403,14 +501,7 @@ class Supervisor:
         return None
 
     def _exit_cause(self, c: _Child) -> str:
-        code = c.proc.exitcode
-        if c.hung:
-            return c.hung
-        if code is not None and code < 0:
-            return f"killed by {signal.Signals(-code).name}"
-        if c.error is not None:
-            return c.error.one_line()
-        return f"exit code {code}"
+        return _cause(c.proc.exitcode, c.hung, c.error)
 
     def _check_hangs(self, now: float) -> None:
         for c in self.children:
@@ -421,6 +512,14 @@ class Supervisor:
                 c.hung = f"hung: {reason}; killed"
                 self._log("hang", actor=c.actor_id, pid=c.proc.pid, reason=reason)
                 c.proc.kill()   # SIGKILL works on a stopped process too; the sentinel follows
+            for f in c.followers:
+                if c.ready and f.proc is not None and not f.hung:
+                    age = now - self.heartbeats.row(f.number)["beat"]
+                    if age > self.cfg.hang_timeout_s:
+                        reason = f"rank {f.rank}: no heartbeat for {age:.1f}s (hang_timeout_s={self.cfg.hang_timeout_s:g})"
+                        f.hung = f"hung: {reason}; killed"
+                        self._log("hang", actor=c.actor_id, pid=f.proc.pid, reason=reason)
+                        f.proc.kill()   # its sentinel brings down the gang
 
     def _hang_reason(self, c: _Child, now: float) -> Optional[str]:
         if not c.ready:
@@ -438,17 +537,22 @@ class Supervisor:
             if c.proc is None or c.hung:
                 continue
             if c.ready:
-                deadlines.append(self.heartbeats.row(c.number)["beat"] + self.cfg.hang_timeout_s)
+                for n in [c.number] + [f.number for f in c.followers if f.proc is not None and not f.hung]:
+                    deadlines.append(self.heartbeats.row(n)["beat"] + self.cfg.hang_timeout_s)
             else:
                 deadlines.append(c.spawned_at + self.cfg.start_timeout_s)
         # A beat may have moved on since we read it; the check itself rereads.
         return min(deadlines, default=float("inf")) + 0.01
 
     def _send(self, c: _Child, msg) -> None:
-        try:
-            c.conn.send(msg)
-        except OSError:
-            pass  # it died after we looked; its sentinel brings the recovery
+        """To the actor; to a gang, to every rank in the same order (they run the same
+        Work together)."""
+        for conn in [c.conn] + [f.conn for f in c.followers]:
+            try:
+                if conn is not None:
+                    conn.send(msg)
+            except OSError:
+                pass  # it died after we looked; its sentinel brings the recovery
 
     def _stop_children(self, reason: str) -> None:
         """Stop, join until grace_s, SIGTERM, SIGKILL. Done messages that arrive while
@@ -463,6 +567,7 @@ class Supervisor:
                 self._log("escalate", actor=c.actor_id, reason=f"still running, sending {sig.name}")
                 os.kill(c.proc.pid, sig)
             live = self._join(live, time.monotonic() + TERM_WAIT_S)
+        self._stop_followers(time.monotonic() + TERM_WAIT_S)
         for c in self.children:
             if c.proc is not None:
                 c.proc.join()
@@ -471,6 +576,23 @@ class Supervisor:
                 c.conn.close()
                 c.proc.close()
                 c.proc, c.conn = None, None
+
+    def _stop_followers(self, until: float) -> None:
+        """Gang ranks above 0, once rank 0 has stopped: they had the same Stop after the
+        same Work, so they end by themselves; one still running (in a collective rank 0
+        left) is killed at ``until``."""
+        for c in self.children:
+            for f in c.followers:
+                if f.proc is None:
+                    continue
+                f.proc.join(max(0.0, until - time.monotonic()))
+                if f.proc.exitcode is None:
+                    self._log("escalate", actor=c.actor_id, rank=f.rank, reason="still running, sending SIGKILL")
+                    f.proc.kill()
+                    f.proc.join()
+                f.conn.close()
+                f.proc.close()
+                f.proc, f.conn = None, None
 
     def _join(self, live: list[_Child], until: float) -> list[_Child]:
         """Wait for ``live`` to exit until ``until``; a new SIGINT/SIGTERM cuts it short
@@ -528,6 +650,9 @@ class Supervisor:
         for c in self.children:
             if c.proc is not None:
                 objs += [c.conn, c.proc.sentinel]
+            for f in c.followers:
+                if f.proc is not None:
+                    objs += [f.conn, f.proc.sentinel]
         return objs
 
     # -- reporting -------------------------------------------------------------
@@ -558,6 +683,9 @@ class Supervisor:
                 "rss_mb": rss, "cpu_pct": cpu, "gpu_mem_mb": round(hb["gpu_mb"], 1) if hb["gpu_mb"] else None,
                 "phase": _phase(c.starting, now) if alive else None,
                 "ready_at": c.ready_at if alive and c.ready else None,
+                **({"ranks": [c.proc.pid if alive else None] +
+                    [f.proc.pid if f.proc is not None and f.proc.exitcode is None else None for f in c.followers]}
+                   if c.followers else {}),
                 "stuck": c.stuck,
             }
         rss, cpu = _usage(self._ps)
@@ -627,3 +755,21 @@ def _phase(starting: Optional[dict], now: float) -> Optional[dict]:
         return None
     return {"name": starting["name"], "done": starting["done"], "total": starting["total"],
             "elapsed_s": round(now - starting["since"], 1), "idle_s": round(now - starting["last"], 1)}
+
+
+def _cause(code: Optional[int], hung: Optional[str], error: Optional[ActorError]) -> str:
+    """Why a process ended, in one phrase: hung, a signal, its error, or its exit code."""
+    if hung:
+        return hung
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if error is not None:
+        return error.one_line()
+    return f"exit code {code}"
+
+
+def _free_port() -> int:
+    """A local TCP port free now, for a gang's rendezvous (its rank 0 binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -42,7 +42,7 @@ _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 _TMP_DIR = re.compile(r"^\.tmp-step-\d+-(\d+)$")
 
 # Keys that may change between a run and its resume without changing the math.
-RESUME_FREE = ("runtime.", "topology.num_targets", "topology.target_devices",
+RESUME_FREE = ("runtime.", "topology.num_targets", "topology.target_tp", "topology.target_devices",
                "topology.drafter_devices", "train.checkpoint_every", "train.max_bad_steps", "data.cache_dir",
                "target.self_check", "eval.", "monitor.")
 NOT_FREE = ("runtime.simulate.",)
