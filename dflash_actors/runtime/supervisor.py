@@ -455,9 +455,12 @@ class Supervisor:
         if first is not None:
             self._read_follower(c, first)
             first.proc.join()
-            cause = f"rank {first.rank} " + _cause(first.proc.exitcode, first.hung, first.error)
-            if first.error is not None:
-                c.last_error = c.error = first.error
+            # A rank that errs because a peer vanished from its collective is not the
+            # cause: rank 0 killed or hung before it is (it is rank 0's own cause then).
+            if not (c.proc.exitcode is not None and (c.hung or c.proc.exitcode < 0)):
+                cause = f"rank {first.rank} " + _cause(first.proc.exitcode, first.hung, first.error)
+                if first.error is not None:
+                    c.last_error = c.error = first.error
         for p in [c.proc] + [f.proc for f in c.followers]:
             if p is not None and p.exitcode is None:
                 p.kill()

@@ -137,6 +137,9 @@ class ToyTarget(_Toy):
     def work(self, w: Work) -> None:
         src = self.in_ring.slot(w.in_slot)
         n = self._check_batch(src, w.batch_id)
+        if self.ctx.rank > 0:       # a gang's follower (``target_gang``): checks and spends, writes nothing
+            self._spend()
+            return
         dst = self.out_ring.slot(w.out_slot)
         for name in ("tokens", "positions", "rows"):
             dst[name].copy_(src[name])
@@ -170,10 +173,11 @@ class ToySink(_Toy):
 def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budget: int = 256,
             max_rows: int = 8, width: int = 24, work_s: float = 0.0, fail_on_start: str | None = None,
             n_targets: int = 1, n_drafters: int = 1, model: str | None = None,
-            contradict_at: int | None = None) -> tuple[Supervisor, torch.Tensor]:
+            contradict_at: int | None = None, target_gang: int = 1) -> tuple[Supervisor, torch.Tensor]:
     """A supervisor over loader -> [target ->] drafter (the sink) with toy actors, and
     the shared results table the sink fills. ``stages`` is 2 (loader -> drafter over
-    the batch ring) or 3 (with targets and a feature ring)."""
+    the batch ring) or 3 (with targets and a feature ring); ``target_gang``: processes
+    per target actor (``Stage.gang``)."""
     if stages not in (2, 3):
         raise ValueError("stages is 2 or 3")
     results = torch.full((n_batches,), -1, dtype=torch.int64).share_memory_()
@@ -191,7 +195,7 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
         hidden = FieldSpec("hidden", (token_budget, width), "bfloat16" if model else "float32")
         rings.append(RingSpec("features", runtime.feature_slots, fields + (hidden,)))
         plan.append(Stage("target", ToyTarget, S.LOADED, S.FEATURED, count=n_targets, in_ring="batch",
-                          out_ring="features", spec=spec("target", model=model)))
+                          out_ring="features", gang=target_gang, spec=spec("target", model=model)))
         plan.append(Stage("drafter", ToySink, S.FEATURED, S.COMMITTED, count=n_drafters, in_ring="features",
                           route=route, spec=sink))
     else:
