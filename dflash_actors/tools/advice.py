@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..data.batching import Batch, BatchBuffers, assemble
 from ..job.preflight import DataCheck
 from ..models.drafter import build_drafter
@@ -77,7 +77,16 @@ def device_count() -> int:
 
 
 def choose(cfg: Config, data: DataCheck, devices: int) -> tuple[int, int, str]:
-    """(targets, drafters, the one line saying why) for ``devices`` devices."""
+    """(targets, drafters, the one line saying why) for ``devices`` devices, each target
+    a gang of ``topology.target_tp`` of them."""
+    tp = cfg.topology.target_tp
+    if tp > 1 and not cfg.runtime.simulate.enabled:
+        # The probe runs the target whole on one device, which a target that needs a
+        # gang does not fit: the split is then the user's (NxK-M).
+        raise ConfigError(f"--topology auto: measures the target whole on one device, so not with "
+                          f"topology.target_tp={tp}; give the topology as NxK-M (e.g. 1x{tp}-{max(1, devices - tp)})")
+    if devices < tp + 1:
+        raise ConfigError(f"--devices: {devices} cannot hold a target of {tp} devices and a drafter")
     costs = probe_costs(cfg, data)
-    n, m, _ = costmodel.advise(costs, devices, cfg.train.grad_accum)[0]
-    return n, m, costmodel.explain(costs, devices, cfg.train.grad_accum)
+    n, m, _ = costmodel.advise(costs, devices, cfg.train.grad_accum, tp=tp)[0]
+    return n, m, costmodel.explain(costs, devices, cfg.train.grad_accum, tp=tp)

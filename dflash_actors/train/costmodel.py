@@ -130,27 +130,40 @@ def bottleneck(c: StageCosts, n: int, m: int, grad_accum: int) -> str:
     return min(rates, key=rates.__getitem__)
 
 
-def advise(c: StageCosts, devices: int, grad_accum: int, loader_bound: bool = True) -> list[tuple[int, int, float]]:
-    """Every split ``n + m == devices`` as ``(n, m, bound tokens/s)``, best first, fewer targets first on ties.
+def gang_costs(c: StageCosts, tp: int) -> StageCosts:
+    """Costs per target actor of ``tp`` devices (``topology.target_tp``), from ``c``'s
+    one-device target: its forward split ``tp`` ways, the ideal that tensor parallelism
+    approaches and never beats (its all-reduces are extra), so the bound stays a bound."""
+    return c if tp == 1 else replace(c, target_s=c.target_s / tp)
+
+
+def advise(c: StageCosts, devices: int, grad_accum: int, loader_bound: bool = True,
+           tp: int = 1) -> list[tuple[int, int, float]]:
+    """Every split ``n * tp + m == devices`` (``n`` targets of ``tp`` devices each, ``m``
+    drafters) as ``(n, m, bound tokens/s)``, best first, fewer targets first on ties.
 
     ``loader_bound=False`` drops the loader from the bound, for a loader known to keep up (prefetched).
     """
-    if devices < 2:
-        raise ValueError(f"topology needs at least 2 devices (one target, one drafter), got {devices}")
-    costs = c if loader_bound else replace(c, loader_s=0.0)
-    splits = [(n, devices - n, bound_tokens_per_s(costs, n, devices - n, grad_accum)) for n in range(1, devices)]
+    if devices < tp + 1:
+        raise ValueError(f"topology needs at least {tp + 1} devices (one target of {tp}, one drafter), got {devices}")
+    costs = gang_costs(c if loader_bound else replace(c, loader_s=0.0), tp)
+    splits = [(n, devices - n * tp, bound_tokens_per_s(costs, n, devices - n * tp, grad_accum))
+              for n in range(1, (devices - 1) // tp + 1)]
     return sorted(splits, key=lambda s: (-s[2], s[0]))
 
 
-def explain(c: StageCosts, devices: int, grad_accum: int) -> str:
+def explain(c: StageCosts, devices: int, grad_accum: int, tp: int = 1) -> str:
     """One line saying which split ``advise`` picks and why, for the launcher's log."""
-    ranked = advise(c, devices, grad_accum)
+    ranked = advise(c, devices, grad_accum, tp=tp)
     n, m, tok = ranked[0]
-    runner_up = f"next {ranked[1][0]}-{ranked[1][1]} at {ranked[1][2]:.0f} tokens/s" if len(ranked) > 1 \
+    gang = f"x{tp}" if tp > 1 else ""
+    runner_up = f"next {ranked[1][0]}{gang}-{ranked[1][1]} at {ranked[1][2]:.0f} tokens/s" if len(ranked) > 1 \
         else "no other split"
-    return (f"topology auto: {n}-{m} for {devices} devices "
+    c = gang_costs(c, tp)
+    return (f"topology auto: {n}{gang}-{m} for {devices} devices "
             f"(target {c.target_s * 1e3:.1f} ms/batch, drafter {c.drafter_s * 1e3:.1f} ms/batch "
             f"+ optimizer {c.optimizer_s * 1e3:.1f} ms/step"
+            f"{f', target split {tp} ways at best' if tp > 1 else ''}"
             f"{f' + control {c.control_s * 1e3:.1f} ms/step' if c.control_s else ''}, grad_accum {grad_accum}: "
             f"bound {tok:.0f} tokens/s, {bottleneck(c, n, m, grad_accum)}-bound; {runner_up})")
 

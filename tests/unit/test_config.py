@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_actors.config import Config, ConfigError, config_from_dict, dump_config, load_config, parse_topology
+from dflash_actors.config import (Config, ConfigError, config_from_dict, dump_config, load_config, parse_gang_topology,
+                                  parse_topology)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -72,10 +73,20 @@ def test_bad_values_name_the_key_path(override, message):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("text", ["0-0", "2-0", "2", "a-b", "2-2-2", "-1-1"])
+@pytest.mark.parametrize("text", ["0-0", "2-0", "2", "a-b", "2-2-2", "-1-1", "2x0-1", "x2-1", "2x-1", "2x2x2-1"])
 def test_bad_topology(text):
     with pytest.raises(ConfigError, match="topology"):
         parse_topology(text)
+
+
+def test_gang_topology_sets_the_ranks_per_target():
+    assert parse_gang_topology("2x4-2") == (2, 4, 2) and parse_gang_topology("3-1") == (3, 1, 1)
+    cfg = load_config(ROOT / "configs/default.yaml", [], topology="2x4-2")
+    top = cfg.topology
+    assert (top.num_targets, top.target_tp, top.num_drafters) == (2, 4, 2)
+    assert load_config(ROOT / "configs/default.yaml", ["topology.target_tp=2"], topology="2-2").topology.target_tp == 2
+    with pytest.raises(ConfigError, match="target.feature_cache: not available with topology.target_tp=2"):
+        load_config(ROOT / "configs/default.yaml", ["target.feature_cache=memory"], topology="1x2-1")
 
 
 def test_bad_yaml_files(tmp_path):

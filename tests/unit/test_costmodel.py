@@ -203,3 +203,13 @@ def test_scale_out_charges_each_step_one_exchange():
         x = rows[k]["exchange_s"]
         assert rows[k]["efficiency"] == pytest.approx(compute / (compute + x), abs=2e-3)
         assert rows[k]["tokens_per_s"] == pytest.approx(int(k) * 50_000.0 * compute / (compute + x), rel=2e-3)
+
+
+def test_gangs_count_their_devices_and_split_the_target_ideally():
+    from dflash_actors.train.costmodel import gang_costs
+    assert [(n, m) for n, m, _ in advise(C, 8, 1, tp=4)] == [(1, 4)]
+    assert sorted((n, m) for n, m, _ in advise(C, 10, 1, tp=4)) == [(1, 6), (2, 2)]
+    assert gang_costs(C, 4).target_s == C.target_s / 4
+    with pytest.raises(ValueError, match="at least 5 devices"):
+        advise(C, 4, 1, tp=4)
+    assert explain(C, 10, 1, tp=4).startswith("topology auto: ") and "x4-" in explain(C, 10, 1, tp=4)
