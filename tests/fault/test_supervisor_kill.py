@@ -14,10 +14,12 @@ from tests.support.pipeline import SMALL
 from tests.support.runtime import ROOT, all_gone
 
 
-def test_children_die_with_a_killed_supervisor(tmp_path):
+@pytest.mark.parametrize("gang", [1, 2])
+def test_children_die_with_a_killed_supervisor(tmp_path, gang):
+    """With ``gang`` 2 the target is two processes (``Stage.gang``): both go too."""
     run_dir = tmp_path / "run"
     sup = subprocess.Popen([sys.executable, "-m", "tests.support.toy", "--run-dir", str(run_dir),
-                            "--batches", "100", "--work-s", "30"], cwd=ROOT)
+                            "--batches", "100", "--work-s", "30", "--target-gang", str(gang)], cwd=ROOT)
     status, pids = run_dir / "status.json", []
     try:
         end = time.monotonic() + 120
@@ -25,9 +27,11 @@ def test_children_die_with_a_killed_supervisor(tmp_path):
             if status.exists():
                 actors = json.loads(status.read_text())["actors"]
                 if all(a["state"] in ("idle", "working") for a in actors.values()):
-                    pids = [a["pid"] for a in actors.values()]
+                    pids = [p for a in actors.values() for p in a.get("ranks", [a["pid"]])]
             time.sleep(0.1)
-        assert len(pids) == 3, "the actors never came up"
+        assert len(pids) == 2 + gang, "the actors never came up"
+        if gang > 1:
+            os.kill(actors["target.0"]["ranks"][1], signal.SIGSTOP)     # a stopped follower too
         # The actors, the fork server they came from (runtime.start_method's default),
         # and the stdlib's resource tracker.
         children = {p.pid for p in psutil.Process(sup.pid).children(recursive=True)}

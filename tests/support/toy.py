@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--work-s", type=float, default=0.0)
     p.add_argument("--fail-on-start", default=None, help="role whose actors raise in attach")
+    p.add_argument("--target-gang", type=int, default=1, help="processes per target actor (Stage.gang)")
     p.add_argument("--set", action="append", default=[], help="runtime.KEY=VALUE")
     a = p.parse_args(argv)
     raw = {"run_dir": a.run_dir}
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         key, _, value = text.partition("=")
         raw[key.removeprefix("runtime.")] = float(value) if "." in value else int(value)
     sup, _ = toy_job(build(RuntimeConfig, raw, "runtime."), a.batches, stages=a.stages, work_s=a.work_s,
-                     fail_on_start=a.fail_on_start)
+                     fail_on_start=a.fail_on_start, target_gang=a.target_gang)
     result = sup.run()
     if result.exit_code:
         print(f"error: {result.reason}", file=sys.stderr)
