@@ -486,7 +486,8 @@ def dump_config(cfg: Config) -> str:
 def add_config_args(ap: argparse.ArgumentParser) -> None:
     """``--config``, ``--topology`` and ``--set``, the same in every command."""
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
-    ap.add_argument("--topology", help="N-M: N target actors, M drafter actors (e.g. 2-2); launch.py also "
+    ap.add_argument("--topology", help="N-M: N target actors, M drafter actors (e.g. 2-2); NxK-M: each target "
+                                       "a tensor-parallel gang of K devices (e.g. 2x4-2); launch.py also "
                                        "takes auto: measure the stages and split the devices")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
