@@ -10,7 +10,7 @@ Two tools:
   out), so a chaos run must end bit-identical to a clean one.
 * ``launch.py chaos RUN_DIR --kills N --seed S -- LAUNCH_ARGS`` starts
   ``launch.py --run-dir RUN_DIR LAUNCH_ARGS`` and, at random moments, ``kill -9``s real
-  pids read from ``status.json``: actors (each must come back), the supervisor itself
+  pids read from ``status.json``: actors (a random rank of a gang; each must come back), the supervisor itself
   (``--supervisor-kills``: its actors must be gone within a second, then the driver
   resumes the run with ``--resume``), and ``--stop-cont`` times it ``SIGSTOP``s a
   healthy actor for half of ``runtime.hang_timeout_s`` and continues it (it must not be
@@ -138,11 +138,16 @@ class Driver:
         live = sorted(k for k, a in st["actors"].items() if a["state"] in ("idle", "working"))
         victim = self.rng.choice(live)
         try:
-            os.kill(st["actors"][victim]["pid"], signal.SIGKILL)
+            os.kill(self._pid(st["actors"][victim]), signal.SIGKILL)
         except ProcessLookupError:
             return False    # died meanwhile
         self.done["kills"] += 1
         return True
+
+    def _pid(self, actor: dict) -> int:
+        """The actor's pid; for a gang (``ranks``), a random rank's: any rank takes the gang down."""
+        ranks = actor.get("ranks") or [actor["pid"]]
+        return self.rng.choice(ranks) if len(ranks) > 1 else ranks[0]
 
     def kill_supervisor(self) -> None:
         kids = _children(self.proc.pid)
@@ -162,14 +167,15 @@ class Driver:
 
     def stop_cont(self, st: dict, hang_timeout_s: float) -> None:
         victim = self.rng.choice(sorted(st["actors"]))
-        pid = st["actors"][victim]["pid"]
+        pid = self._pid(st["actors"][victim])
         os.kill(pid, signal.SIGSTOP)
         time.sleep(hang_timeout_s / 2)
         os.kill(pid, signal.SIGCONT)
         self.done["stop_cont"] += 1
         time.sleep(1.0)     # a hang decision in flight would show by now
         s = read_or_none(self.run_dir)
-        if s and s.get("supervisor_pid") == self.proc.pid and s["actors"][victim]["pid"] != pid:
+        if s and s.get("supervisor_pid") == self.proc.pid and pid not in (s["actors"][victim].get("ranks")
+                                                                          or [s["actors"][victim]["pid"]]):
             self.problems.append(f"{victim} was restarted after a SIGSTOP shorter than hang_timeout_s")
 
     def _event(self, what: str, mean_gap_s: float) -> bool:
