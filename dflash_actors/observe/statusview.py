@@ -141,7 +141,10 @@ def _actor_table(actors: list[tuple[str, dict]], lag: float) -> list[str]:
                _fmt(info.get("restarts"), "d"), _fmt(info.get("rss_mb"), ".0f")]
         if gpu:
             row.append(_fmt(info.get("gpu_mem_mb"), ".0f"))
-        rows.append((row, f"STUCK: {info['stuck']}" if info.get("stuck") else ""))
+        ranks = info.get("ranks")
+        note = f"ranks {' '.join(_fmt(p, 'd') for p in ranks)}" if ranks else ""   # a gang's processes
+        stuck = f"STUCK: {info['stuck']}" if info.get("stuck") else ""
+        rows.append((row, "  ".join(x for x in (note, stuck) if x)))
     widths = [max(len(r[i]) for r in [head] + [row for row, _ in rows]) for i in range(len(head))]
     # The first and third columns are words, the rest numbers.
     cell = lambda i, text: text.ljust(widths[i]) if i in (0, 2) else text.rjust(widths[i])

@@ -211,3 +211,13 @@ def test_a_node_of_several_says_which_and_whom_it_waits_for(tmp_path, capsys, ex
     assert len(line) == 1 and len(line[0]) <= statusview.WIDTH
     head = "cluster    node 0 of 2 (rendezvous 10.0.0.1:29500), 41 steps exchanged at 11.2 ms"
     assert line[0].startswith(head + says)
+
+
+def test_a_gang_shows_every_rank(tmp_path, capsys):
+    status = _status()
+    status["actors"]["target.0"]["ranks"] = [20001, 30001]
+    code, out, _ = _run(tmp_path, capsys, status)
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith("target.0"))
+    assert row.endswith("ranks 20001 30001")
+    assert "ranks" not in next(line for line in out.splitlines() if line.startswith("target.1"))
