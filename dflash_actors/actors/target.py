@@ -49,6 +49,11 @@ from ..train.schedule import Schedule
 from ..train.simulate import SimulatedCompute, stamp, wait
 
 
+UNSPLIT_CHECK_BYTES = 4 * 2**30
+"""A gang's rank 0 checks against the unsplit model only up to this size: it loads and
+runs that model on the CPU at every start of the gang, restarts included."""
+
+
 class SelfCheckFailed(Escalate):
     """The features would be wrong on every restart: stop the job before training."""
 
@@ -113,8 +118,9 @@ class Target(Actor):
 
     def _unsplit(self):
         """A gang's rank 0: the whole target on the CPU for the self-check, when it takes
-        at most ``SHARE_FRACTION`` of the host's available memory, else None (the check
-        is then against the split model's own forward); the event ``self_check`` says which."""
+        at most ``UNSPLIT_CHECK_BYTES`` and ``SHARE_FRACTION`` of the host's available
+        memory, else None (the check is then against the split model's own forward); the
+        event ``self_check`` says which."""
         import psutil
 
         from ..models import shared_weights
@@ -122,9 +128,10 @@ class Target(Actor):
         cfg = self.spec.cfg
         dtype = resolve_dtype(cfg.target.dtype, self.device)
         need, free = shared_weights.weight_bytes(ensure_target(cfg), dtype), psutil.virtual_memory().available
-        if need > shared_weights.SHARE_FRACTION * free:
+        if need > min(UNSPLIT_CHECK_BYTES, shared_weights.SHARE_FRACTION * free):
             self.report("self_check", against="the split model's own forward",
-                        reason=f"the unsplit target needs {need / 2**30:.1f} GiB, over "
+                        reason=f"the unsplit target needs {need / 2**30:.1f} GiB: more than a CPU check at every "
+                               f"start can afford ({UNSPLIT_CHECK_BYTES / 2**30:.0f} GiB) or "
                                f"{shared_weights.SHARE_FRACTION:.0%} of the {free / 2**30:.1f} GiB available")
             return None
         self.report("self_check", against="the unsplit model and the split model's own forward",
