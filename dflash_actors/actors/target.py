@@ -48,7 +48,6 @@ from ..train.feature_cache import FeatureCache
 from ..train.schedule import Schedule
 from ..train.simulate import SimulatedCompute, stamp, wait
 
-
 UNSPLIT_CHECK_BYTES = 4 * 2**30
 """A gang's rank 0 checks against the unsplit model only up to this size: it loads and
 runs that model on the CPU at every start of the gang, restarts included."""

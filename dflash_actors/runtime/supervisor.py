@@ -515,14 +515,13 @@ class Supervisor:
                 c.hung = f"hung: {reason}; killed"
                 self._log("hang", actor=c.actor_id, pid=c.proc.pid, reason=reason)
                 c.proc.kill()   # SIGKILL works on a stopped process too; the sentinel follows
-            for f in c.followers:
-                if c.ready and f.proc is not None and not f.hung:
-                    age = now - self.heartbeats.row(f.number)["beat"]
-                    if age > self.cfg.hang_timeout_s:
-                        reason = f"rank {f.rank}: no heartbeat for {age:.1f}s (hang_timeout_s={self.cfg.hang_timeout_s:g})"
-                        f.hung = f"hung: {reason}; killed"
-                        self._log("hang", actor=c.actor_id, pid=f.proc.pid, reason=reason)
-                        f.proc.kill()   # its sentinel brings down the gang
+            for f in c.followers if c.ready else ():
+                age = now - self.heartbeats.row(f.number)["beat"]
+                if f.proc is not None and not f.hung and age > self.cfg.hang_timeout_s:
+                    reason = f"rank {f.rank}: no heartbeat for {age:.1f}s (hang_timeout_s={self.cfg.hang_timeout_s:g})"
+                    f.hung = f"hung: {reason}; killed"
+                    self._log("hang", actor=c.actor_id, pid=f.proc.pid, reason=reason)
+                    f.proc.kill()   # its sentinel brings down the gang
 
     def _hang_reason(self, c: _Child, now: float) -> Optional[str]:
         if not c.ready:

@@ -2,8 +2,15 @@ from pathlib import Path
 
 import pytest
 
-from dflash_actors.config import (Config, ConfigError, config_from_dict, dump_config, load_config, parse_gang_topology,
-                                  parse_topology)
+from dflash_actors.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    dump_config,
+    load_config,
+    parse_gang_topology,
+    parse_topology,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
