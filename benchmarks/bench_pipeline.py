@@ -122,6 +122,9 @@ def main(argv=None) -> dict:
         "projection": [costmodel.project(costmodel.SHAPES[name], w, TFLOPS) for name in ("qwen3-8b", "qwen3.6-27b")],
         "control_ms_per_step": round(control_s * 1e3, 2),
         "advice": {str(d): costmodel.explain(replace(ref.costs, control_s=control_s), d, 1) for d in (4, 8)},
+        # The same bound with each target a gang of 2 devices (topology.target_tp), split ideally.
+        "advice_target_tp_2": {str(d): costmodel.explain(replace(ref.costs, control_s=control_s), d, 1, tp=2)
+                               for d in (4, 8)},
     }
     print(json.dumps(out))
     return out

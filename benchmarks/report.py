@@ -133,6 +133,7 @@ def render(results: dict) -> str:
         out += ["", f"## Advice (the measured 2-2 stage costs plus {p['control_ms_per_step']} ms/step of measured "
                     "control latency; `launch.py --topology auto` applies the same rule to costs it probes)",
                 ""] + [f"- {line}" for line in p["advice"].values()]
+        out += [f"- {line}" for line in p.get("advice_target_tp_2", {}).values()]
     c = results["benches"].get("cluster", {})
     if "loopback" in c:
         out += _cluster(c)
