@@ -20,6 +20,12 @@ former and fails after the latter). An actor counts as dead when its process
 exits (sentinel), and as hung, then killed, when its heartbeat is older than
 ``hang_timeout_s`` (before Ready: when it is not ready ``start_timeout_s`` after spawn).
 
+A gang (``Stage.gang`` k > 1: a tensor-parallel target) is one actor of k processes:
+each rank has its own pipe, sentinel and heartbeat row, every rank gets the same Work
+and Stop in the same order, rank 0 alone sends Done, and the actor is Ready once every
+rank is. The death or hang of any rank kills the others and restarts all k, as one
+restart of the actor; each start gets a new rendezvous for the gang's process group.
+
 The loop blocks in ``multiprocessing.connection.wait`` on process sentinels, actor pipes
 and a signal wakeup socket, with a timeout equal to the next deadline (status write or
 hang check). Every decision goes to ``<run_dir>/events.log`` (``events.EventLog``);
