@@ -25,9 +25,13 @@ With ``target.feature_cache`` the job's cache (``train.feature_cache``: shared h
 memory or files in the run directory) is handed to every target in its spec, like a
 ring: it outlives their restarts.
 
-Placement (``resolve_devices``, ``feature_device``): targets on cuda:0..N-1 and drafters
-on cuda:N..N+M-1 when that many GPUs exist, else the CPU; the feature ring on the
-first drafter's GPU when every actor can reach it (``runtime.feature_transport``).
+With ``topology.target_tp`` K > 1 each target.i is a gang of K processes (``Stage.gang``),
+tensor parallel over K devices; the rest of the job sees one actor.
+
+Placement (``resolve_devices``, ``feature_device``): the targets' ranks on
+cuda:0..N*K-1 (a gang's adjacent) and drafters on cuda:N*K..N*K+M-1 when that many GPUs
+exist, else the CPU; the feature ring on the first drafter's GPU when every actor that
+touches it (drafters, the targets' rank 0) can reach it (``runtime.feature_transport``).
 """
 
 from __future__ import annotations
