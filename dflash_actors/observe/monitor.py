@@ -330,7 +330,9 @@ def accounting(cfg, target_config, layer_ids: list[int], schedule: Schedule, ste
         row = {"actors": count, "busy_s": round(b, 2), "busy_fraction": round(b / (count * wall_s), 4),
                "tokens_per_s": round(tokens * count / b, 1) if b > 0 else None}
         if role in flops and b > 0:
-            tflops = flops[role] / b / 1e12
+            # A target gang's busy time is its rank 0's, and K devices did that work.
+            per = cfg.topology.target_tp if role == "target" else 1
+            tflops = flops[role] / b / 1e12 / per
             peak = peak_tflops(cfg, devices.get(role, "cpu"))
             row.update(tflops=_sig(tflops), peak_tflops=peak, mfu=_sig(tflops / peak) if peak else None)
         out[role] = row
