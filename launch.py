@@ -179,11 +179,12 @@ def chaos(cfg: Config, args: argparse.Namespace, total_batches: int) -> list[dic
 
 
 def plan_line(cfg: Config, pre) -> str:
-    """What ``--plan-only`` prints: the data, the placement and the first epoch's plan."""
+    """What ``--plan-only`` prints: the data, the placement (``targets``: one device per
+    rank, ``target_tp`` ranks per target) and the first epoch's plan."""
     ds = pre.dataset
     return json.dumps({"dataset": str(pre.train_path), "samples": len(ds), "tokens": ds.num_tokens,
                        "truncated": ds.n_truncated, "dropped": ds.n_dropped, "targets": pre.devices.targets,
-                       "drafters": pre.devices.drafters,
+                       "target_tp": cfg.topology.target_tp, "drafters": pre.devices.drafters,
                        "epoch0": pre.plan0.stats(ds.lengths, cfg.batching.token_budget)})
 
 

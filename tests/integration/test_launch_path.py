@@ -45,6 +45,15 @@ def test_each_input_is_read_once(options, counted, tmp_path, cache_dir, capsys):
         assert "--chaos 4: 10 faults" in err
 
 
+def test_plan_only_shows_a_gangs_ranks(tmp_path, cache_dir, capsys):
+    argv = ["--plan-only", "--topology", "2x2-1", "--run-dir", str(tmp_path / "run")]
+    for kv in SMALL + [f"data.cache_dir={cache_dir}"]:
+        argv += ["--set", kv]
+    assert launch.main(argv) == 0
+    plan = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert plan["target_tp"] == 2 and plan["targets"] == ["cpu"] * 4 and plan["drafters"] == ["cpu"]
+
+
 def _fork_servers() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if "forkserver" in " ".join(p.cmdline())]
 
