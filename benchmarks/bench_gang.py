@@ -179,7 +179,9 @@ def main(argv=None) -> int:
         out["tiny"]["features"] = features(load_config(ROOT / "configs" / "default.yaml"), args.tokens, args.reps, 2)
         if smollm:
             sm = ["--config", "configs/smollm2-135m.yaml"]
-            out["smollm2"] = {f"tp{tp}": startup("smollm2", sm, ["eval.every=0"], tp, max(1, args.kills // 2), tmp)
+            # The config's feature cache is refused with a gang: off for both, so both run the target.
+            sets = ["eval.every=0", "target.feature_cache=off"]
+            out["smollm2"] = {f"tp{tp}": startup("smollm2", sm, sets, tp, max(1, args.kills // 2), tmp)
                               for tp in (1, args.smollm_tp)}
             out["smollm2"]["features"] = features(load_config(ROOT / "configs" / "smollm2-135m.yaml"), args.tokens,
                                                   args.reps, args.smollm_tp)
