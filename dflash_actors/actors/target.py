@@ -25,9 +25,10 @@ never waited for; the cache outlives a target's restart.
 With ``topology.target_tp`` K > 1 a target actor is a gang of K processes
 (``runtime.dispatch.Stage.gang``): every rank joins the gang's process group, loads its
 shard (``models.tensor_parallel``) and runs every batch; rank 0 alone copies the batch
-over and writes the features, which are whole on every rank. Its self-check compares
-rank 0's features with the unsplit model too when that fits in host memory, and says
-which it did (event ``self_check``). A dead or hung rank takes the gang with it.
+over and writes the features, which are whole on every rank. At the job's first start
+of a gang its self-check compares rank 0's features with the unsplit model too, when
+that is small enough (``UNSPLIT_CHECK_BYTES``), and says which it did (event
+``self_check``). A dead or hung rank takes the gang with it.
 Under ``runtime.simulate`` the forward is a wait and the features a stamped tensor of
 the slot's width kept in device memory (``simulate``); every copy stays (the cache is
 refused there: there are no features to keep).
@@ -50,7 +51,7 @@ from ..train.simulate import SimulatedCompute, stamp, wait
 
 UNSPLIT_CHECK_BYTES = 4 * 2**30
 """A gang's rank 0 checks against the unsplit model only up to this size: it loads and
-runs that model on the CPU at every start of the gang, restarts included."""
+runs that model on the CPU, in the way of the job's first start."""
 
 
 class SelfCheckFailed(Escalate):
@@ -68,6 +69,9 @@ class TargetSpec:
     weights: Optional[SharedWeights] = None
     """The target's weights in shared host memory (``target.share_weights``), or None:
     each actor reads the checkpoint."""
+    unsplit_checked: Optional[torch.Tensor] = None
+    """Gangs: a shared int8 flag, 1 once a gang's features have matched the unsplit
+    model's in this job; later starts check against their own forward only."""
 
 
 class Target(Actor):
@@ -103,6 +107,8 @@ class Target(Actor):
                 self.starting("self-check features")
                 try:
                     self_check(self.model, reference=self._unsplit() if ctx.gang > 1 and ctx.rank == 0 else None)
+                    if ctx.gang > 1 and ctx.rank == 0 and self.spec.unsplit_checked is not None:
+                        self.spec.unsplit_checked.fill_(1)
                 except SelfCheckError as e:
                     raise SelfCheckFailed(str(e)) from None
                 if in_place:
@@ -125,6 +131,11 @@ class Target(Actor):
         from ..models import shared_weights
         from ..models.target import ensure_target, load_target, resolve_dtype
         cfg = self.spec.cfg
+        if self.spec.unsplit_checked is not None and self.spec.unsplit_checked.item():
+            # The same checkpoint, split by the same code: the first start's match holds.
+            self.report("self_check", against="the split model's own forward",
+                        reason="a gang of this job matched the unsplit model at its first start")
+            return None
         dtype = resolve_dtype(cfg.target.dtype, self.device)
         need, free = shared_weights.weight_bytes(ensure_target(cfg), dtype), psutil.virtual_memory().available
         if need > min(UNSPLIT_CHECK_BYTES, shared_weights.SHARE_FRACTION * free):

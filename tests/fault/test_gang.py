@@ -149,6 +149,10 @@ def test_a_killed_rank0_and_a_hung_rank1_leave_the_bits_unchanged(tp2_run, tmp_p
     assert_same_weights(final_weights(run), final_weights(run0))
     died = events(run, "died")
     assert died[0]["reason"] == "killed by SIGKILL" and "hung" in died[1]["reason"]
+    # The unsplit model is checked at the gang's first start; restarts check their own forward.
+    checks = [e["against"] for e in events(run, "self_check")]
+    assert len(checks) == 3 and checks[0].startswith("the unsplit model")
+    assert checks[1:] == ["the split model's own forward"] * 2
     for _, _, pids in done:
         assert all_gone(pids, 5.0)
 
