@@ -454,19 +454,17 @@ class Supervisor:
             elif not isinstance(msg, Starting):     # rank 0 speaks for the gang's start
                 raise TypeError(f"{c.actor_id} rank {f.rank} sent {msg!r}")
 
-    def _end_gang(self, c: _Child, first: Optional[_Rank]) -> Optional[str]:
-        """After one rank of a gang ended: the cause, when a rank above 0 (``first``) ended
-        first, then every other rank killed (its collectives cannot go on) and reaped."""
-        cause = None
+    def _end_gang(self, c: _Child, first: Optional[_Rank]) -> Optional[tuple[str, Optional[ActorError]]]:
+        """After one rank of a gang ended: every other rank killed (its collectives cannot
+        go on) and reaped. Returns the cause and error of ``first``, the rank above 0 that
+        ended first, when it is the cause: a rank that errs because a peer vanished from
+        its collective is not, when rank 0 was killed or hung before it."""
+        blame = None
         if first is not None:
             self._read_follower(c, first)
             first.proc.join()
-            # A rank that errs because a peer vanished from its collective is not the
-            # cause: rank 0 killed or hung before it is (it is rank 0's own cause then).
             if not (c.proc.exitcode is not None and (c.hung or c.proc.exitcode < 0)):
-                cause = f"rank {first.rank} " + _cause(first.proc.exitcode, first.hung, first.error)
-                if first.error is not None:
-                    c.last_error = c.error = first.error
+                blame = f"rank {first.rank} " + _cause(first.proc.exitcode, first.hung, first.error), first.error
         for p in [c.proc] + [f.proc for f in c.followers]:
             if p is not None and p.exitcode is None:
                 p.kill()
@@ -477,15 +475,21 @@ class Supervisor:
                 f.conn.close()
                 f.proc.close()
                 f.proc, f.conn = None, None
-        return cause
+        return blame
 
     def _on_exit(self, c: _Child, first: Optional[_Rank] = None) -> Optional[JobResult]:
         """A child's process ended while running (for a gang: any rank's, ``first`` when
         not rank 0): recover, then restart or give up."""
-        gang_cause = self._end_gang(c, first) if c.followers else None
+        blame = self._end_gang(c, first) if c.followers else None
         self._read(c)
         c.proc.join()
-        cause = gang_cause or self._exit_cause(c)
+        cause = self._exit_cause(c)
+        if blame is not None:
+            # Its error decides (an Escalate there stops the job), not the one rank 0
+            # raised when the collective lost that rank.
+            cause, error = blame
+            if error is not None:
+                c.last_error = c.error = error
         c.conn.close()
         c.proc.close()   # its sentinel fd; a long run restarts many times
         c.proc, c.conn = None, None

@@ -42,7 +42,7 @@ def _wait(cond, what, timeout=90):
 def test_any_rank_of_a_gang_dying_or_hanging_restarts_the_gang_once(tmp_path):
     """rank 1 killed, rank 0 killed, rank 2 stopped (SIGSTOP): three restarts of
     target.0, each taking every rank down, and every batch exactly once."""
-    sup, results = toy_job(runtime(tmp_path, max_restarts=5, hang_timeout_s=1.5), n_batches=300, stages=3,
+    sup, results = toy_job(runtime(tmp_path, max_restarts=5, hang_timeout_s=3.0), n_batches=300, stages=3,
                            work_s=0.02, target_gang=3)
     strikes, error = [], []
 
@@ -63,7 +63,7 @@ def test_any_rank_of_a_gang_dying_or_hanging_restarts_the_gang_once(tmp_path):
     assert not error, error
     assert len(strikes) == 3, "the job ended before every strike landed"
     assert result.state is JobState.DONE, result.reason
-    assert result.restarts["target.0"] == 3
+    assert result.restarts["target.0"] == 3, events(tmp_path / "run", "died")
     assert_exactly_once(sup, results, result, 300)
     died = events(tmp_path / "run", "died")
     assert [d["actor"] for d in died] == ["target.0"] * 3
@@ -76,6 +76,18 @@ def test_any_rank_of_a_gang_dying_or_hanging_restarts_the_gang_once(tmp_path):
         assert all_gone(pids, 5.0)
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert "ranks" in status["actors"]["target.0"] and "ranks" not in status["actors"]["drafter.0"]
+
+
+def test_an_escalating_follower_stops_the_job(tmp_path):
+    """An Escalate raised by rank 1 (what a failed self-check is) stops the job, even
+    though rank 0 is fine: the follower's error decides, not a restart."""
+    from tests.support.toy import ToyEscalate
+    sup, _ = toy_job(runtime(tmp_path, max_restarts=5), n_batches=50, stages=3, target_gang=2, escalate_rank=1)
+    result = sup.run()
+    assert result.state is JobState.FAILED and isinstance(result.raised, ToyEscalate)
+    assert result.reason.startswith("target.0: ToyEscalate: rank 1 told to escalate")
+    died = events(tmp_path / "run", "died")
+    assert len(died) == 1 and died[0]["reason"].startswith("rank 1 ToyEscalate") and died[0]["decision"] == "raise"
 
 
 # -- the tensor-parallel target --------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dflash_actors.runtime.actor import Actor
+from dflash_actors.runtime.actor import Actor, Escalate
 from dflash_actors.runtime.channels import FieldSpec, RingSpec
 from dflash_actors.runtime.config import RuntimeConfig, build
 from dflash_actors.runtime.dispatch import Stage
@@ -86,6 +86,12 @@ class ToySpec:
     results: Optional[torch.Tensor] = None
     contradict_at: Optional[int] = None
     """The sink's batch at which it finds the ledger contradicted (a ``ProtocolError``)."""
+    escalate_rank: Optional[int] = None
+    """A gang's rank (above 0) that raises ``ToyEscalate`` in ``attach``."""
+
+
+class ToyEscalate(Escalate):
+    """An error no restart can fix, raised by a gang's follower (``escalate_rank``)."""
 
 
 class _Toy(Actor):
@@ -126,6 +132,9 @@ class ToyLoader(_Toy):
 class ToyTarget(_Toy):
     def attach(self) -> None:
         super().attach()
+        if self.ctx.rank and self.ctx.rank == self.spec.escalate_rank:
+            time.sleep(0.3)     # rank 0 is Ready by then: the gang must still stop on this
+            raise ToyEscalate(f"rank {self.ctx.rank} told to escalate")
         self.model = None
         if self.spec.model == "qwen3-tiny":
             from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -173,7 +182,8 @@ class ToySink(_Toy):
 def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budget: int = 256,
             max_rows: int = 8, width: int = 24, work_s: float = 0.0, fail_on_start: str | None = None,
             n_targets: int = 1, n_drafters: int = 1, model: str | None = None,
-            contradict_at: int | None = None, target_gang: int = 1) -> tuple[Supervisor, torch.Tensor]:
+            contradict_at: int | None = None, target_gang: int = 1,
+            escalate_rank: int | None = None) -> tuple[Supervisor, torch.Tensor]:
     """A supervisor over loader -> [target ->] drafter (the sink) with toy actors, and
     the shared results table the sink fills. ``stages`` is 2 (loader -> drafter over
     the batch ring) or 3 (with targets and a feature ring); ``target_gang``: processes
@@ -195,7 +205,8 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
         hidden = FieldSpec("hidden", (token_budget, width), "bfloat16" if model else "float32")
         rings.append(RingSpec("features", runtime.feature_slots, fields + (hidden,)))
         plan.append(Stage("target", ToyTarget, S.LOADED, S.FEATURED, count=n_targets, in_ring="batch",
-                          out_ring="features", gang=target_gang, spec=spec("target", model=model)))
+                          out_ring="features", gang=target_gang,
+                          spec=spec("target", model=model, escalate_rank=escalate_rank)))
         plan.append(Stage("drafter", ToySink, S.FEATURED, S.COMMITTED, count=n_drafters, in_ring="features",
                           route=route, spec=sink))
     else:
