@@ -22,11 +22,15 @@ from tests.support.runtime import all_gone, assert_exactly_once, events, runtime
 from tests.support.toy import toy_job
 
 
-def _gang_pids(sup, actor_id):
+def _gang_pids(sup, actor_id, struck=()):
+    """The pids of a ready gang, none of them in ``struck``: read from the supervisor's
+    thread's state, which can still show the last incarnation while it restarts."""
     c = next(c for c in sup.children if c.actor_id == actor_id)
-    if c.proc is None or not c.ready:
+    procs = [c.proc] + [f.proc for f in c.followers]
+    if not c.ready or any(p is None for p in procs):
         return None
-    return [c.proc.pid] + [f.proc.pid for f in c.followers]
+    pids = [p.pid for p in procs]
+    return None if set(pids) & set(struck) else pids
 
 
 def _wait(cond, what, timeout=90):
@@ -48,12 +52,14 @@ def test_any_rank_of_a_gang_dying_or_hanging_restarts_the_gang_once(tmp_path):
 
     def striker():
         try:
+            struck = set()
             for rank, sig in ((1, signal.SIGKILL), (0, signal.SIGKILL), (2, signal.SIGSTOP)):
-                pids = _wait(lambda: _gang_pids(sup, "target.0"), "a ready gang")
+                pids = _wait(lambda: _gang_pids(sup, "target.0", struck), "a ready gang")
                 _wait(lambda: sup.heartbeats.row(sup.children[1].number)["batch"] >= 0, "the gang mid-batch")
                 os.kill(pids[rank], sig)
                 strikes.append((rank, sig, pids))
-                _wait(lambda p=pids: all_gone(p, 0.0) and _gang_pids(sup, "target.0"), "the gang back")
+                struck.update(pids)
+                _wait(lambda p=pids: all_gone(p, 0.0) and _gang_pids(sup, "target.0", struck), "the gang back")
         except Exception as e:   # noqa: BLE001 - reported below
             error.append(e)
     t = threading.Thread(target=striker, daemon=True)
