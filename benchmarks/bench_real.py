@@ -10,7 +10,9 @@ trains a drafter on them (stopped with SIGINT, which checkpoints, if it outlasts
 lossless, KV caches) with the trained drafter, an untrained one and two trivial
 baselines (n-gram over the training completions; repeat the anchor), and measures
 simulated tau on the same text. Prints one JSON line; the prepared data are kept in
-``.cache`` and reused (``journey_minutes`` counts only the preparation this run did).
+``.cache`` and reused: ``prepare_minutes`` is what this run spent preparing, and
+``journey_minutes`` counts the preparation's minutes as first measured (kept beside the
+prepared folder), so a reused cache does not make the journey look shorter than it is.
 ``--steps`` sizes the epochs so training runs at least that many optimizer steps;
 ``--prompts`` regenerates only the first N training prompts (its own ``.cache`` folder).
 """
@@ -36,9 +38,12 @@ def say(msg: str) -> None:
 
 
 def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit: int | None = None) -> dict:
-    """The prepared dataset's metadata, with ``minutes`` spent preparing it in this run."""
+    """The prepared dataset's metadata, with ``minutes`` spent preparing it in this run and
+    ``first_minutes`` it took when it was made (None when that was not recorded)."""
     from dflash_actors.eval.prepare import SamplingSettings, prepare, read_metadata
 
+    # Beside the folder, not in it: the folder is the dataset, checked as a whole.
+    record = out.with_name(out.name + ".minutes.json")
     t = time.perf_counter()
     if not (out / "prepare.json").is_file():
         say(f"prepare {prompts.name} -> {out}")
@@ -46,7 +51,9 @@ def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit:
                 batch_size=32, shard_size=64, limit=limit, cache_dir=str(ROOT / ".cache"), threads=threads,
                 progress=False)
         say(f"prepared {out.name} in {time.perf_counter() - t:.0f} s")
-    return read_metadata(out) | {"minutes": (time.perf_counter() - t) / 60}
+        record.write_text(json.dumps({"minutes": (time.perf_counter() - t) / 60, "threads": threads}))
+    first = json.loads(record.read_text())["minutes"] if record.is_file() else None
+    return read_metadata(out) | {"minutes": (time.perf_counter() - t) / 60, "first_minutes": first}
 
 
 def train(run_dir: Path, minutes: float, overrides: list[str], topology: str) -> tuple[float, str]:
@@ -153,7 +160,12 @@ def main(argv=None) -> dict:
                       "epochs": cfg.train.epochs, "layers": cfg.drafter.num_layers, "block": cfg.drafter.block_size,
                       "topology": args.topology},
            "prepare_minutes": round(meta["minutes"] + held["minutes"], 1)}
-    out["journey_minutes"] = round(out["prepare_minutes"] + (minutes or 0) + out["eval_wall_s"] / 60, 1)
+    firsts = [m["first_minutes"] for m in (meta, held)]
+    if None in firsts:
+        # A cache made before its minutes were kept: the journey can only count this run's.
+        out["journey_minutes_excludes_unrecorded_prepare"] = True
+        firsts = [m["minutes"] for m in (meta, held)]
+    out["journey_minutes"] = round(sum(firsts) + (minutes or 0) + out["eval_wall_s"] / 60, 1)
     print(json.dumps(out))
     return out
 
