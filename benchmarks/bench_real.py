@@ -61,6 +61,16 @@ def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit:
     return read_metadata(out) | {"minutes": (time.perf_counter() - t) / 60, "first_minutes": first}
 
 
+def repeated(prompts: Path, out: Path, k: int, limit: int | None = None) -> Path:
+    """``out``: the first ``limit`` prompts of ``prompts``, each ``k`` times in a row.
+    ``prepare`` seeds its sampling per batch, so the copies get different responses (and
+    a rerun the same ones)."""
+    lines = [ln for ln in prompts.read_text(encoding="utf-8").splitlines() if ln.strip()][:limit]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(ln + "\n" for ln in lines for _ in range(k)), encoding="utf-8")
+    return out
+
+
 def train(run_dir: Path, minutes: float, overrides: list[str], topology: str) -> tuple[float, str]:
     """``launch.py`` on the SmolLM2 config; SIGINT (a clean, checkpointed stop) at the limit."""
     cmd = [sys.executable, "launch.py", "--config", str(CONFIG), "--topology", topology, "--run-dir", str(run_dir),
@@ -120,12 +130,8 @@ def main(argv=None) -> dict:
     if args.temperature:
         train_dir = train_dir.with_name(f"{train_dir.name}-x{args.samples_per_prompt}-t{args.temperature:g}")
     if args.samples_per_prompt > 1:
-        # Each prompt K times in a row: prepare seeds its sampling per batch, so the copies
-        # get different responses, and a rerun the same ones.
-        lines = [ln for ln in train_prompts.read_text(encoding="utf-8").splitlines() if ln.strip()][:limit]
-        train_prompts = train_dir.with_name(train_dir.name + ".prompts.jsonl")
-        train_prompts.parent.mkdir(parents=True, exist_ok=True)
-        train_prompts.write_text("".join(ln + "\n" for ln in lines for _ in range(args.samples_per_prompt)))
+        train_prompts = repeated(train_prompts, train_dir.with_name(train_dir.name + ".prompts.jsonl"),
+                                 args.samples_per_prompt, limit)
         limit = None
     meta = prepared(train_dir, train_prompts, 128, args.threads, limit, args.temperature)
     held = prepared(heldout_dir, PROMPTS / "heldout.jsonl", args.max_new_tokens, args.threads)

@@ -1,0 +1,25 @@
+"""bench_real's own options: more sampled data per prompt, and the refusals that keep it honest."""
+
+import pytest
+
+from benchmarks import bench_real
+
+
+def test_repeated_puts_each_prompt_k_times_in_a_row(tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "a"}]}\n\nplain b\nplain c\n', encoding="utf-8")
+    out = bench_real.repeated(src, tmp_path / "sub" / "x.jsonl", 3, limit=2)
+    assert out.read_text(encoding="utf-8").splitlines() == [
+        '{"messages": [{"role": "user", "content": "a"}]}'] * 3 + ["plain b"] * 3
+    assert bench_real.repeated(src, tmp_path / "all.jsonl", 1).read_text(encoding="utf-8").count("\n") == 3
+
+
+@pytest.mark.parametrize("argv", [["--samples-per-prompt", "2"],            # greedy: 2 identical copies
+                                  ["--samples-per-prompt", "0"],
+                                  ["--temperature", "-1"]])
+def test_refuses_options_that_add_no_data(argv, capsys):
+    # Refused before anything is loaded or prepared (and whether SmolLM2 is installed or not).
+    with pytest.raises(SystemExit) as e:
+        bench_real.main(argv)
+    assert e.value.code == 2
+    assert "--samples-per-prompt" in capsys.readouterr().err
