@@ -55,8 +55,7 @@ def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit:
                 batch_size=32, shard_size=64, limit=limit, cache_dir=str(ROOT / ".cache"), threads=threads,
                 progress=False)
         say(f"prepared {out.name} in {time.perf_counter() - t:.0f} s")
-        record.write_text(json.dumps({"minutes": (time.perf_counter() - t) / 60, "threads": threads,
-                                      "temperature": temperature}))
+        record.write_text(json.dumps({"minutes": (time.perf_counter() - t) / 60, "threads": threads}))
     first = json.loads(record.read_text())["minutes"] if record.is_file() else None
     return read_metadata(out) | {"minutes": (time.perf_counter() - t) / 60, "first_minutes": first}
 
