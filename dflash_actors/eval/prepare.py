@@ -38,10 +38,11 @@ import torch
 from ..console import first_line
 from ..data.dataset import open_dataset
 from ..data.synthetic import flatten, train_path, write_token_dataset
-from ..models.target import ensure_target, load_target, resolve_target_dir
+from ..models.target import ensure_target, load_target, resolve_dtype, resolve_target_dir
 from ..runtime.files import write_atomically
 
 EXIT_USAGE = 2
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class PrepareError(ValueError):
@@ -71,6 +72,10 @@ class SamplingSettings:
     top_p: float = 1.0
     max_new_tokens: int = 256
     seed: int = 0
+    dtype: str = "auto"
+    """The target's dtype while generating: auto = bfloat16 on CUDA, float32 on CPU. A CPU
+    with bf16 instructions (AVX512-BF16, AMX) generates about twice as fast in bfloat16;
+    the text is then that of the target as a GPU serves it, not of its fp32 weights."""
 
 
 # ---------------------------------------------------------------------------
@@ -229,6 +234,8 @@ def _check_settings(out: Path, batch_size: int, shard_size: int, sampling: Sampl
         raise PrepareError(f"--out: {out} already holds a dataset (remove it to regenerate)")
     if batch_size < 1 or shard_size < 1 or sampling.max_new_tokens < 1:
         raise PrepareError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
+    if sampling.dtype not in DTYPES:
+        raise PrepareError(f"--dtype must be one of {', '.join(DTYPES)} (got {sampling.dtype!r})")
     if not (sampling.temperature >= 0 and 0 < sampling.top_p <= 1):
         raise PrepareError(f"--temperature must be >= 0 and --top-p in (0, 1] "
                            f"(got {sampling.temperature}, {sampling.top_p})")
@@ -258,7 +265,7 @@ class _Generator:
         from transformers import AutoModelForCausalLM
 
         dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        dtype = resolve_dtype(sampling.dtype, dev)
         self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(dev).eval()
         self.stops = stop_ids(tokenizer, self.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stops or [0])[0]
@@ -389,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", help="the target's dtype while generating: auto (bfloat16 on CUDA, "
+                    "float32 on CPU), float32, bfloat16 (twice as fast on CPUs with bf16 instructions), float16")
     ap.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
     ap.add_argument("--shard-size", type=int, default=64, help="prompts per kill-safe shard")
     ap.add_argument("--limit", type=int, help="only the first N prompts")
@@ -396,7 +405,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     args = ap.parse_args(argv)
-    sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed)
+    sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed, args.dtype)
     t = time.perf_counter()
     try:
         out = prepare(args.target, args.prompts, args.out, template_opts=template_opts(args), sampling=sampling,

@@ -169,11 +169,14 @@ def make_attend(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, bloc
 
 def autocast_for(device, compute_dtype: str = "auto"):
     """The drafter forward's autocast: bf16 on CUDA unless ``compute_dtype`` is "float32";
-    none elsewhere, so CPU runs stay fp32 and identical in every process."""
+    on CPU fp32 unless ``compute_dtype`` is "bfloat16" (CPUs with bf16 instructions,
+    AVX512-BF16 or AMX, run its matmuls about twice as fast). Either way every process
+    runs the same kernels, so the pipeline still equals the reference bit for bit."""
     if compute_dtype not in ("auto", "bfloat16", "float32"):
         raise ValueError(f"compute_dtype: {compute_dtype!r} is not one of auto, bfloat16, float32")
-    if torch.device(device).type == "cuda" and compute_dtype != "float32":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    kind = torch.device(device).type
+    if (kind == "cuda" and compute_dtype != "float32") or (kind == "cpu" and compute_dtype == "bfloat16"):
+        return torch.autocast(kind, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
