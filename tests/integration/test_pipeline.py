@@ -59,6 +59,21 @@ def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology, s
         assert_eval_lines(tmp_path / "run", every, ref.steps, cfg.drafter.block_size)
 
 
+def test_bf16_on_cpu_is_bit_identical_to_its_reference(cache_dir, tmp_path):
+    """A bf16 target and ``train.compute_dtype=bfloat16`` on CPU: every process runs the
+    same bf16 kernels, so the pipeline still equals its reference; and bf16 did run (the
+    losses are not fp32's)."""
+    bf16 = ("target.dtype=bfloat16", "train.compute_dtype=bfloat16")
+    result = Job(small_config(cache_dir, tmp_path / "run", "1-2", *bf16), progress=False).run()
+    assert result.exit_code == 0, result.reason
+    ref = train_reference(small_config(cache_dir, tmp_path / "ref", "1-2", *bf16), progress=False)
+    assert losses(tmp_path / "run") == ref.losses
+    assert_same_weights(final_weights(tmp_path / "run"), ref.state_dict)
+    fp32 = reference(cache_dir, tmp_path, "1-2")
+    assert len(fp32.losses) == len(ref.losses) and fp32.losses != ref.losses
+    assert ref.losses[-1] == pytest.approx(fp32.losses[-1], rel=0.05)
+
+
 def assert_eval_lines(run_dir, every: int, steps: int, block: int) -> None:
     """Due versions are evaluated in order, the final weights always, each line with
     both taus in [1, block]. How many intermediate versions get evaluated depends on

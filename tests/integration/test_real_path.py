@@ -73,6 +73,28 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
     assert "prompt" in open(out / "prepare.json").read()
 
 
+def test_prepare_in_bf16_writes_the_bf16_targets_text_and_refuses_an_unknown_dtype(chat, tmp_path):
+    target, prompts = chat
+    out = prepare(str(target), prompts, tmp_path / "ds", sampling=SamplingSettings(max_new_tokens=10, dtype="bfloat16"),
+                  batch_size=1, shard_size=4, limit=3, progress=False, threads=1)
+    meta = read_metadata(out)
+    assert meta["sampling"]["dtype"] == "bfloat16"
+    from transformers import AutoModelForCausalLM
+
+    from dflash_actors.eval.decode import greedy_cached
+    from dflash_actors.models.target import TargetModel
+    tok = load_tokenizer(target)
+    bf16 = TargetModel(AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16), [0])
+    ds = open_dataset(load_config(ROOT / "configs/default.yaml").data, progress=False, path=out)
+    for i in range(3):
+        ids, mask = ds.sample(i)
+        prompt = ids[:int(np.argmax(mask))]
+        want, _ = greedy_cached(bf16, torch.tensor(prompt), 10, (tok.eos_token_id,))
+        assert ids.tolist() == want.tolist()
+    with pytest.raises(PrepareError, match="--dtype"):
+        prepare(str(target), prompts, tmp_path / "bad", sampling=SamplingSettings(dtype="int8"), progress=False)
+
+
 def _prepare_cmd(target, prompts, out):
     return [sys.executable, str(ROOT / "launch.py"), "prepare", "--target", str(target), "--prompts", str(prompts),
             "--out", str(out), "--max-new-tokens", "16", "--batch-size", "1", "--shard-size", "1",

@@ -163,9 +163,11 @@ def test_gamma_defaults():
     assert w[0] == 0 and w[1] == 1 and torch.isclose(w[3], torch.tensor(np.exp(-1.0), dtype=torch.float32))
 
 
-def test_autocast_is_bf16_on_cuda_only():
-    for device, dtype in [("cpu", "auto"), ("cpu", "bfloat16"), (torch.device("cpu"), "float32"), ("cuda", "float32")]:
+def test_autocast_is_bf16_on_cuda_by_default_and_on_cpu_when_asked():
+    for device, dtype in [("cpu", "auto"), (torch.device("cpu"), "float32"), ("cuda", "float32")]:
         assert isinstance(L.autocast_for(device, dtype), contextlib.nullcontext)
+    ac = L.autocast_for("cpu", "bfloat16")
+    assert isinstance(ac, torch.autocast) and ac.device == "cpu" and ac.fast_dtype == torch.bfloat16
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # without CUDA torch disables it, saying so
         for dtype in ("auto", "bfloat16"):
