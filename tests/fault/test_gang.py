@@ -98,7 +98,10 @@ def test_an_escalating_follower_stops_the_job(tmp_path):
 
 # -- the tensor-parallel target --------------------------------------------------
 
-TP_RUN = ("train.epochs=3", "runtime.hang_timeout_s=4")
+# Long enough that the striker below sees the gang at work twice, restarts included,
+# before the job ends: at 3 epochs the job took 8.5 s on an idle 2-core machine and ended
+# before the first strike; at 8 the struck run takes about 17 s there.
+TP_RUN = ("train.epochs=8", "runtime.hang_timeout_s=4")
 
 
 @pytest.fixture(scope="module")
