@@ -208,8 +208,8 @@ class TrainConfig:
     """torch intra-op threads, the same in every actor and the reference (bit-identity)."""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The drafter's forward and backward: auto = bf16 autocast on CUDA and fp32 on CPU;
-    ``bfloat16`` autocasts on CPU too (about twice as fast where the CPU has bf16
-    instructions; pair it with ``target.dtype: bfloat16``, whose vocabulary head the
+    ``bfloat16`` autocasts on CPU too (its matmuls run about twice as fast where the CPU
+    has bf16 instructions; pair it with ``target.dtype: bfloat16``, whose vocabulary head the
     loss uses). The weights, gradient sums and AdamW state stay fp32 either way."""
     max_bad_steps: int = checked(3, at_least(0))
     """Steps in a row whose loss or gradient is not finite that are skipped (each one
