@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
     meta = prepared(train_dir, train_prompts, 128, args.threads, limit, args.temperature, args.dtype)
     held = prepared(heldout_dir, PROMPTS / "heldout.jsonl", args.max_new_tokens, args.threads)
     overrides = [f"data.path={train_dir}", *args.overrides]
-    if args.dtype != "auto":
+    if args.dtype != "auto":      # before the user's --set, which may still override them
         overrides[1:1] = [f"target.dtype={args.dtype}", f"train.compute_dtype={args.dtype}"]
     cfg = load_config(CONFIG, overrides, topology=args.topology)
     if args.steps:
