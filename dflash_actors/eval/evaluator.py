@@ -15,6 +15,9 @@ Contract:
   lifetime  a plain child process of the job, started with the supervisor and told to
             finish when it returns (it then evaluates the final version once); it exits
             on its own as soon as its parent is gone, so a killed job leaves no orphan.
+  errors    a failed evaluation is a warning and training goes on; a metrics.jsonl it
+            cannot append to stops the job (``Evaluator.start``'s ``on_error``, with
+            ``files.cannot_write``'s line), as it does when the monitor's append fails.
 
 Why its own process and not "between steps": an evaluation of a real model takes
 seconds to minutes; between steps, every drafter would wait for it. Here it competes
@@ -39,8 +42,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -50,6 +55,7 @@ from ..data.synthetic import ensure_synthetic_dataset
 from ..models.drafter import build_drafter
 from ..models.target import load_target
 from ..runtime.boot import Deferred, boot
+from ..runtime.files import cannot_write
 from .tau import TargetTexts, completion_mask, drafter_correct, replayed_tau, text_features, text_metrics
 
 POLL_S = 0.5
@@ -110,8 +116,9 @@ def evaluate_version(drafter, target, heldout: HeldOut) -> dict:
     return out
 
 
-def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, parent: int) -> None:
-    """The process body (see the module contract)."""
+def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, parent: int, tell) -> None:
+    """The process body (see the module contract); ``tell``: the pipe to send the line
+    of an unwritable metrics.jsonl on."""
     try:
         os.nice(10)
     except OSError:
@@ -141,14 +148,18 @@ def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, p
         line = {"kind": "eval", "step": v, "time": round(time.time(), 3),
                 **evaluate_version(drafter, target, heldout)}
         line["wall_s"] = round(time.perf_counter() - t, 2)
-        with open(path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:
+            tell.send(cannot_write(path, e))
+            return
         due = [d for d in due if d > v]
 
 
-def main(cfg, store, run_dir, first_version, last_version, stop, parent) -> None:
+def main(cfg, store, run_dir, first_version, last_version, stop, parent, tell) -> None:
     try:
-        run(cfg, store, run_dir, first_version, last_version, stop, parent)
+        run(cfg, store, run_dir, first_version, last_version, stop, parent, tell)
     except Exception as e:      # an evaluation must never take training down with it
         print(f"warning: evaluator stopped: {type(e).__name__}: {e}", file=sys.stderr)
 
@@ -161,12 +172,25 @@ class Evaluator:
 
         self.ctx = mp.get_context("spawn")
         self.stop = self.ctx.Event()
-        args = (cfg, store, str(run_dir), first_version, last_version, self.stop, os.getpid())
+        self.told, self.tell = self.ctx.Pipe(duplex=False)
+        args = (cfg, store, str(run_dir), first_version, last_version, self.stop, os.getpid(), self.tell)
         self.proc = self.ctx.Process(target=boot, name="evaluator", daemon=True,
                                      args=(os.getpid(), Deferred(args), "dflash_actors.eval.evaluator:main"))
 
-    def start(self) -> None:
+    def start(self, on_error: Callable[[str], None]) -> None:
+        """Start it; ``on_error`` gets the line of an unwritable metrics.jsonl, from a
+        thread of this process (the supervisor's ``request_failure``)."""
         self.proc.start()
+        self.tell.close()       # the child's copy is then the only one: its exit ends the pipe
+        self.listener = threading.Thread(target=self._listen, args=(on_error,), name="evaluator-errors", daemon=True)
+        self.listener.start()
+
+    def _listen(self, on_error: Callable[[str], None]) -> None:
+        try:
+            line = self.told.recv()
+        except EOFError:        # it ended without one
+            return
+        on_error(line)
 
     def finish(self, timeout_s: float) -> None:
         """Let it evaluate what is due (the final version included), then make sure it is gone."""
@@ -176,3 +200,5 @@ class Evaluator:
             print(f"warning: evaluator still busy after {timeout_s:.0f} s; stopped", file=sys.stderr)
             self.proc.kill()
             self.proc.join()
+        self.listener.join()    # at once: the process's exit closed the pipe
+        self.told.close()

@@ -28,6 +28,11 @@ metrics.jsonl, one JSON object a line, told apart by ``kind``::
 A resumed run appends: steps after its checkpoint that the first run had logged appear
 again, and the later line is the one that counts. Lines are written whole, each with
 one ``write`` on an ``O_APPEND`` descriptor, so the evaluator's lines never tear them.
+The file is opened for each status (once a second), so that a path that stops being
+writable mid-run fails the next append; that failure stops the job (``watch``'s
+``on_error``), as one of events.log or status.json would, rather than leaving a run
+that trains on unrecorded. Any other error of the monitor is a reporting bug: a
+warning, and training goes on.
 
 At the end ``accounting`` gives the summary's per-stage view: busy seconds and
 fraction, the tokens/s each stage could sustain, and for the target and the drafter an
@@ -44,12 +49,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import psutil
 import torch
 
 from .. import console
+from ..runtime.files import cannot_write
 from ..train.costmodel import ModelShape, Workload, drafter_flops_per_batch, target_flops_per_batch
 from ..train.metrics import STEP_COLS, finite, fold_step
 from ..train.schedule import Schedule
@@ -86,8 +92,9 @@ class Monitor:
         self.block: Optional[dict] = None       # the newest training block
         self.shown = -1                         # the step of the last progress line
         self.tb = None
-        self.fd = None
         self.failed = False
+        self.on_error: Optional[Callable[[str], None]] = None
+        self.unwritable = False             # metrics.jsonl failed: no more appends
         bar = console.mode() == "bar" and self.enabled
         self.bar = console.progress(schedule.total_steps, "train", "step", bar, initial=first_step) if bar else None
 
@@ -95,10 +102,13 @@ class Monitor:
         """Seconds since every actor was first ready (since the start, if never)."""
         return time.time() - (self.t_train if self.t_train is not None else self.t_start)
 
-    def watch(self, work_times: torch.Tensor, stages) -> None:
-        """The supervisor's per-batch work times, and its stages in column order."""
+    def watch(self, work_times: torch.Tensor, stages, on_error: Optional[Callable[[str], None]] = None) -> None:
+        """The supervisor's per-batch work times, its stages in column order, and what to
+        call with the reason when metrics.jsonl cannot be written (its ``request_failure``;
+        None: a warning, as for any other monitor error)."""
         self.work_times = work_times
         self.stages = [(s.role, s.count) for s in stages]
+        self.on_error = on_error
 
     # -- the hook ---------------------------------------------------------------
 
@@ -209,12 +219,21 @@ class Monitor:
         return line
 
     def _append(self, lines: list[dict]) -> None:
-        if not lines:
+        if not lines or self.unwritable:
             return
-        if self.fd is None:
-            self.fd = os.open(self.run_dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        for x in lines:
-            os.write(self.fd, (json.dumps(x, allow_nan=False) + "\n").encode())
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                for x in lines:
+                    os.write(fd, (json.dumps(x, allow_nan=False) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if self.on_error is None:
+                raise
+            self.unwritable = True
+            self.on_error(cannot_write(path, e))
 
     def _tensorboard(self, steps: list[dict]) -> None:
         if not steps or not self.cfg.monitor.tensorboard:
@@ -243,6 +262,8 @@ class Monitor:
             if st.get("stuck") and not self.stuck.get(a):
                 console.say(f"{a} looks stuck: {st['stuck']}")
             self.restarts[a], self.stuck[a] = st["restarts"], st.get("stuck")
+        # The fork server's loss restarts every actor, as one event (its own warning line).
+        self.restarts["forkserver"] = status.get("forkserver_restarts") or 0
         ready = [a for a, st in status["actors"].items() if st.get("phase") is None and st["pid"]]
         if not self.ready_said:
             if len(ready) == len(status["actors"]):
@@ -266,9 +287,6 @@ class Monitor:
         elif self.enabled and self.block is not None and self.block["step"] != self.shown and self.next > self.first:
             # The log ends where training did, not up to log_every_s before.
             console.say(progress_line(self.block, sum(self.restarts.values())))
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
         if self.tb is not None:
             self.tb.close()
             self.tb = None

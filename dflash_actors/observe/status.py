@@ -17,6 +17,7 @@ key to be missing, as files from older runs lack newer keys)::
     start_method        forkserver | spawn (runtime.start_method resolved)
     forkserver_pid      the pre-imported server the actors fork from (their parent),
                         null under spawn; it dies with the supervisor
+    forkserver_restarts times the server was lost and replaced (or given up for spawn)
     supervisor          {rss_mb, cpu_pct}
     stuck_after_s       an actor without a heartbeat this long is called stuck
     hang_timeout_s      ... and this long, killed and restarted

@@ -81,7 +81,11 @@ class FaultConfig:
     may name more (the training job's optimizer: ``publish``, ``checkpoint``). Kinds:
     ``sigkill``, ``exit`` (status 3, no report), ``exception``, ``hang`` (no heartbeat
     until killed), ``slow`` (the work takes 10x as long, beating), ``segfault``, and
-    ``nan`` (the actor makes its output non-finite, where it has a numeric output)."""
+    ``nan`` (the actor makes its output non-finite, where it has a numeric output).
+    ``actor: supervisor`` strikes the supervisor's own process with ``sigkill`` at a point
+    of its own (``runtime.supervisor.SUPERVISOR_POINTS``; the training job's: ``gang``,
+    ``share_weights``) once ``at_batch`` batches are committed, once per run directory:
+    the job is then resumed, as after any kill of its supervisor."""
 
     actor: str
     at_batch: int = checked(0, at_least(0))
@@ -102,6 +106,10 @@ class RuntimeConfig:
     """How long actors get to finish on shutdown before SIGTERM, then SIGKILL."""
     start_timeout_s: float = checked(300.0, above(0))
     """Spawn to Ready (imports, model loading) before an actor counts as hung."""
+    fork_timeout_s: float = checked(10.0, above(0))
+    """How long the fork server may take to fork an actor once its own imports are done
+    (a fork takes milliseconds). Past it, or when it dies, the server counts as lost:
+    it is killed and replaced, its actors with it (``runtime.supervisor``)."""
     start_method: Literal["auto", "forkserver", "spawn"] = "auto"
     """How actor processes start. ``forkserver``: forked from one server process that
     has already imported torch, transformers and the actor modules (``forker``), so a

@@ -5,6 +5,10 @@ directory that another process may read meanwhile (status.json, the trace, datas
 the tiny target, checkpoints): ``write(tmp)`` fills a temporary sibling, which one
 ``os.replace`` then puts in place. A reader sees the old version or the new one,
 never a mix; a writer killed halfway leaves only its temporary, named after its pid.
+
+``cannot_write`` is the line a job stops with when one of the files it keeps writing
+while it runs (events.log, status.json, metrics.jsonl) fails: the run's state is fine,
+only its record is not, so it ends with a checkpoint and can be resumed.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ def write_atomically(path: str | Path, write: Callable[[Path], object], *, tmp: 
     if durable:
         fsync_dir(path.parent)
     return path
+
+
+def cannot_write(path: str | Path, err: OSError) -> str:
+    """``cannot write <path>: <why>; ...``: the reason a job stops with."""
+    return f"cannot write {path}: {err.strerror or err}; resume with --resume once it is writable"
 
 
 def fsync_tree(root: Path) -> None:

@@ -9,6 +9,25 @@ the job), and the server's parent-death signal (``forker``) is tied to the threa
 started it. So ``ForkServerStarter`` keeps a private ``multiprocessing.forkserver``
 server and a ``Process`` class that forks from it; the server itself is the stdlib's
 (its ``main``, and its protocol for handing a child its arguments and descriptors).
+
+What differs from the stdlib's client, and why: the server is one process that every
+actor comes from, so it must not be a silent single point of failure.
+  * No silent restart. The stdlib starts a new server when it finds the old one dead,
+    without our environment (no parent-death signal, no ``PYTHONPATH``), and hands out
+    children of a server the supervisor does not know. Here a dead server raises
+    ``ForkServerError``; the supervisor decides (``restart``, with the first start's
+    settings, or spawn).
+  * Every exchange has a timeout. The stdlib writes the child's arguments, then waits
+    for its pid, both without limit: a stopped or hung server blocks the supervisor
+    for ever (the arguments exceed a pipe's 64 KiB, so even the write blocks). Here the
+    pid comes first, within ``timeout_s`` (the server forks on receiving the
+    descriptors alone), then the arguments go to a child known to exist.
+  * A child's death is its own pidfd, not the server's report. The stdlib learns it
+    only from the server, which reaps it: while the server is stopped, a dead actor
+    would look alive. A pidfd is readable as soon as the process has ended, whoever
+    reaps it; the exit status is still the server's to give, and when it cannot
+    (dead or stopped) the process counts as ended with an unknown status
+    (``exit_unknown``).
 """
 
 from __future__ import annotations
@@ -17,9 +36,11 @@ import io
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import time
-from multiprocessing import forkserver, popen_forkserver, process, reduction, spawn, util
+from multiprocessing import forkserver, popen_forkserver, process, reduction, resource_tracker, spawn, util
+from multiprocessing.connection import wait
 from multiprocessing.context import set_spawning_popen
 from typing import Optional
 
@@ -27,6 +48,17 @@ from .forker import SUPERVISOR_PID_ENV
 
 STOP_WAIT_S = 2.0
 """After closing its pipe, how long the server has to exit before it is killed."""
+
+STATUS_WAIT_S = 1.0
+"""After a child has ended, how long the server has to report its exit status (a live
+server does within milliseconds: it reaps on SIGCHLD)."""
+
+UNKNOWN_EXIT = 255
+"""The exit code of a child whose status the server could not report (the stdlib's)."""
+
+
+class ForkServerError(RuntimeError):
+    """The fork server served no fork: it is gone, refused, or did not answer in time."""
 
 
 def resolve(configured: str) -> str:
@@ -36,18 +68,76 @@ def resolve(configured: str) -> str:
     return configured
 
 
-class _Popen(popen_forkserver.Popen):
-    """The stdlib's forkserver Popen, asking a given server instead of the process-wide one."""
+class _Server(forkserver.ForkServer):
+    """The stdlib's server, asked with timeouts and never restarted behind our back."""
 
-    def __init__(self, process_obj, server: forkserver.ForkServer):
-        self._server = server
+    def __init__(self):
+        super().__init__()
+        self.answered = False
+        """Whether it has forked once: until then its imports may still be running."""
+        self.exitcode: Optional[int] = None
+        """Once it has ended and been reaped: its exit code (-N: killed by signal N)."""
+
+    def alive(self) -> bool:
+        """Whether it runs (a stopped server does); reaps it once it has ended."""
+        pid = self._forkserver_pid
+        if pid is None or self.exitcode is not None:
+            return False
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if done:
+            self.exitcode = os.waitstatus_to_exitcode(status)
+        return not done
+
+    def ask(self, fds: list[int], timeout_s: float) -> tuple[int, int, int]:
+        """Have the server fork a child that inherits ``fds``: ``(pid, status_r,
+        data_w)``; the child reads its arguments from ``data_w``, the server reports
+        its exit status on ``status_r``. Raises ForkServerError, leaking nothing."""
+        if not self.alive():
+            raise ForkServerError(f"the fork server (pid {self._forkserver_pid}) is not running")
+        status_r, child_w = os.pipe()
+        child_r, data_w = os.pipe()
+        try:
+            with socket.socket(socket.AF_UNIX) as client:
+                client.settimeout(timeout_s)
+                client.connect(self._forkserver_address)
+                reduction.sendfds(client, [child_r, child_w, self._forkserver_alive_fd,
+                                           resource_tracker.getfd(), *fds])
+            if not wait([status_r], timeout_s):
+                raise ForkServerError(f"the fork server (pid {self._forkserver_pid}) did not fork within "
+                                      f"{timeout_s:g}s")
+            try:
+                pid = forkserver.read_signed(status_r)
+            except (OSError, EOFError):
+                raise ForkServerError(f"the fork server (pid {self._forkserver_pid}) ended before it forked") from None
+        except BaseException as e:
+            os.close(status_r)
+            os.close(data_w)
+            if isinstance(e, OSError):
+                raise ForkServerError(f"the fork server (pid {self._forkserver_pid}) refused: {e}") from None
+            raise
+        finally:
+            os.close(child_r)
+            os.close(child_w)
+        self.answered = True
+        return pid, status_r, data_w
+
+
+class _Popen(popen_forkserver.Popen):
+    """The stdlib's forkserver Popen, asking a given server (module docstring)."""
+
+    def __init__(self, process_obj, starter: "ForkServerStarter"):
+        self._starter = starter
+        self.exit_unknown = False
         super().__init__(process_obj)
 
     def _launch(self, process_obj):
         # As the stdlib does it: pickle the preparation data and the process object
         # with this Popen as the spawning one (descriptors are collected into
-        # self._fds), hand the descriptors to the server, which forks, then stream the
-        # pickles to the child; the first int back is its pid.
+        # self._fds), hand the descriptors to the server, which forks; then the
+        # pickles go to the child.
         prep = spawn.get_preparation_data(process_obj._name)
         buf = io.BytesIO()
         set_spawning_popen(self)
@@ -56,15 +146,50 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             set_spawning_popen(None)
-        self.sentinel, w = self._server.connect_to_new_process(self._fds)
+        server = self._starter.server
+        pid, self._status, w = server.ask(self._fds, self._starter.timeout_s())
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:
+            # It has not read its arguments yet, so only its server's death can have
+            # ended it: the server is going.
+            os.close(self._status)
+            os.close(w)
+            raise ForkServerError(f"the fork server (pid {server._forkserver_pid}) lost its child {pid} "
+                                  "at once") from None
+        self.pid = pid
+        self.sentinel = self._pidfd
         keep_w = os.dup(w)     # the child's view of its parent: alive while we hold it
-        self.finalizer = util.Finalize(self, util.close_fds, (keep_w, self.sentinel))
+        self.finalizer = util.Finalize(self, util.close_fds, (keep_w, self._status, self._pidfd))
         with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+            try:
+                f.write(buf.getbuffer())
+            except BrokenPipeError:
+                pass    # it died already; its pidfd says so
+
+    def poll(self, flag=os.WNOHANG):
+        if self.returncode is None:
+            if not wait([self._pidfd], 0 if flag == os.WNOHANG else None):
+                return None
+            code = None
+            if wait([self._status], STATUS_WAIT_S):
+                try:
+                    code = forkserver.read_signed(self._status)
+                except (OSError, EOFError):
+                    pass
+            self.exit_unknown = code is None
+            self.returncode = UNKNOWN_EXIT if code is None else code
+        return self.returncode
+
+    def _send_signal(self, sig):
+        if self.returncode is None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:
+                pass
 
 
-_SERVERS: dict[int, forkserver.ForkServer] = {}
+_STARTERS: dict[int, "ForkServerStarter"] = {}
 """The live private servers of this process, by key (a process object carries only
 the key: it is pickled for its child, and a server is not picklable)."""
 
@@ -77,71 +202,112 @@ class ServerProcess(process.BaseProcess):
 
     @staticmethod
     def _Popen(process_obj):
-        return _Popen(process_obj, _SERVERS[process_obj._server_key])
+        return _Popen(process_obj, _STARTERS[process_obj._server_key])
+
+
+def exit_unknown(proc) -> bool:
+    """Whether ``proc`` (ended) was forked from a server that could not give its status."""
+    return bool(getattr(getattr(proc, "_popen", None), "exit_unknown", False))
 
 
 class ForkServerStarter:
     """A private fork server, and ``Process`` objects that fork from it."""
 
     def __init__(self):
-        self._server = forkserver.ForkServer()
-        self._key = id(self._server)
+        self.server = _Server()
+        self._key = id(self)
         self.preload: tuple[str, ...] = ()
         """What the server imports before it serves a fork, ``forker`` first."""
+        self.sentinel: Optional[int] = None
+        """The server's pidfd: readable once it has ended."""
+        self.first_fork_timeout_s = 300.0
+        """How long a new server may take to fork its first child (its imports first)."""
+        self.fork_timeout_s = 10.0
+        """How long a server whose imports are done may take to fork."""
+        self._supervisor_pid: Optional[int] = None
 
     def Process(self, **kwargs) -> ServerProcess:
         proc = ServerProcess(**kwargs)
         proc._server_key = self._key
         return proc
 
+    def timeout_s(self) -> float:
+        return self.fork_timeout_s if self.server.answered else self.first_fork_timeout_s
+
     def start(self, modules: list[str], supervisor_pid: int) -> int:
         """Start the server with ``forker`` and then ``modules`` imported before it serves
-        the first fork (that fork's ``Process.start`` returns at once; the child waits
-        for the imports); its pid. ``forker`` learns whom to die with from the
-        environment, set for this start only; so does the server's ``sys.path``:
-        ``PYTHONPATH``, then ours, as spawn gives a child (the stdlib's server does not
-        apply the path it is handed before its imports, and a failed preload import is
-        silently skipped)."""
-        _SERVERS[self._key] = self._server
+        the first fork (that fork waits for the imports); its pid. ``forker`` learns
+        whom to die with from the environment, set for this start only; so does the
+        server's ``sys.path``: ``PYTHONPATH``, then ours, as spawn gives a child (the
+        stdlib's server does not apply the path it is handed before its imports, and a
+        failed preload import is silently skipped)."""
+        _STARTERS[self._key] = self
         self.preload = tuple(dict.fromkeys([f"{__package__}.forker", *modules]))
-        self._server.set_forkserver_preload(list(self.preload))
+        self._supervisor_pid = supervisor_pid
+        self.server.set_forkserver_preload(list(self.preload))
         saved = {k: os.environ.get(k) for k in (SUPERVISOR_PID_ENV, "PYTHONPATH")}
         os.environ[SUPERVISOR_PID_ENV] = str(supervisor_pid)
         os.environ["PYTHONPATH"] = os.pathsep.join([*filter(None, [saved["PYTHONPATH"]]), *filter(None, sys.path)])
         try:
-            self._server.ensure_running()
+            self.server.ensure_running()
         finally:
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        return self._server._forkserver_pid
+        self.sentinel = os.pidfd_open(self.server._forkserver_pid)
+        return self.server._forkserver_pid
+
+    def restart(self) -> int:
+        """A new server with the settings of the first start, in place of this one (which
+        is killed if it still runs); its pid."""
+        self.stop(wait_s=0.0)
+        self.server = _Server()
+        return self.start(list(self.preload[1:]), self._supervisor_pid)
 
     @property
     def pid(self) -> Optional[int]:
-        return getattr(self._server, "_forkserver_pid", None)
+        return self.server._forkserver_pid
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def ended_how(self) -> str:
+        """How the server ended, in a phrase (it has: ``alive`` is False)."""
+        self.server.alive()
+        code = self.server.exitcode
+        if code is None:
+            return "ended"
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
     def stop(self, wait_s: float = STOP_WAIT_S) -> None:
         """Close the server's pipe, which tells it to exit; kill it if it has not within
         ``wait_s`` (its children are gone by now: the supervisor stops its actors first).
-        A server still importing notices the pipe only once its imports are done."""
-        pid = self.pid
+        A server still importing, or stopped, notices the pipe only later."""
+        s = self.server
+        pid = s._forkserver_pid
         if pid is None:
             return
-        os.close(self._server._forkserver_alive_fd)
+        os.close(s._forkserver_alive_fd)
         end = time.monotonic() + wait_s
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > end:
+        while s.alive():
+            if time.monotonic() >= end:
                 os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
                 break
             time.sleep(0.01)
-        address = self._server._forkserver_address
+        address = s._forkserver_address
         if address and not util.is_abstract_socket_namespace(address):
             try:
                 os.unlink(address)
             except OSError:
                 pass
-        self._server._forkserver_pid = self._server._forkserver_alive_fd = self._server._forkserver_address = None
-        _SERVERS.pop(self._key, None)
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
+        s._forkserver_pid = s._forkserver_alive_fd = s._forkserver_address = None
+        _STARTERS.pop(self._key, None)

@@ -147,6 +147,10 @@ class Ledger:
         """Batch ids with a transition in progress by ``owner``, lowest first."""
         return np.flatnonzero(self._a[:, Col.OWNER] == owner).tolist()
 
+    def past(self, state: int) -> int:
+        """How many rows are at ``state`` or beyond: a stage's progress."""
+        return int((self._a[:, Col.STATE] >= int(state)).sum())
+
     def counts(self, n_states: int) -> list[int]:
         """How many rows are in each state ``0 .. n_states-1``."""
         return np.bincount(self._a[:, Col.STATE], minlength=n_states).tolist()

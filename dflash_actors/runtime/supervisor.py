@@ -18,13 +18,22 @@ traceback), or RAISE (an ``actor.Escalate`` error, or a ``ProtocolError``, a bug
 job stops and the caller gets the exception; the training job rolls back after the
 former and fails after the latter). An actor counts as dead when its process
 exits (sentinel), and as hung, then killed, when its heartbeat is older than
-``hang_timeout_s`` (before Ready: when it is not ready ``start_timeout_s`` after spawn).
+``hang_timeout_s`` (before Ready: when no rank has shown start-up progress, a new phase
+or a count in one, for ``start_timeout_s``: a big shard on slow storage is slow, not hung,
+as long as its load keeps counting).
 
 A gang (``Stage.gang`` k > 1: a tensor-parallel target) is one actor of k processes:
 each rank has its own pipe, sentinel and heartbeat row, every rank gets the same Work
 and Stop in the same order, rank 0 alone sends Done, and the actor is Ready once every
 rank is. The death or hang of any rank kills the others and restarts all k, as one
 restart of the actor; each start gets a new rendezvous for the gang's process group.
+
+Actors forked from the fork server (``runtime.start_method: forkserver``) die with it.
+When it dies, or fails to fork within ``runtime.fork_timeout_s`` (stopped, hung), every
+actor's batches are recovered and all of them restart from a new server with the first
+one's settings: one restart event, counted as ``forkserver`` in ``JobResult.restarts``
+and charged to the server's own restart intensity, not to the actors'; past it, the
+job goes on with spawn (``_server_lost``).
 
 The loop blocks in ``multiprocessing.connection.wait`` on process sentinels, actor pipes
 and a signal wakeup socket, with a timeout equal to the next deadline (status write or
@@ -54,6 +63,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -72,7 +82,7 @@ from .channels import Ring, RingSpec
 from .config import ConfigError, RuntimeConfig
 from .dispatch import Dispatcher, Stage
 from .events import EventLog
-from .files import write_atomically
+from .files import cannot_write, write_atomically
 from .ledger import Ledger
 from .messages import ActorError, Done, Note, Ready, Starting, Stop
 from .policy import Decision, RestartPolicy
@@ -155,13 +165,29 @@ class _Child:
     rank0_ready: bool = False
 
 
-def check_faults(faults, actors: dict[str, type]) -> None:
+SUPERVISOR = "supervisor"
+"""The name ``runtime.faults`` gives the supervisor's own process."""
+
+SUPERVISOR_POINTS = ("gang",)
+"""Where a fault can strike the supervisor itself: ``gang``, just after it has spawned a
+gang's ranks, while they form; its caller may add points of its own (the training job:
+``share_weights``). Kind ``sigkill`` only; once per run directory (``strike_self``)."""
+
+
+def check_faults(faults, actors: dict[str, type], supervisor_points: tuple[str, ...] = SUPERVISOR_POINTS) -> None:
     """``runtime.faults`` against the actors (id -> class) a job will have: ConfigError
     naming the entry if one names no actor, a point its actor lacks, or a kind it cannot do."""
     for i, f in enumerate(faults):
         key, cls = f"runtime.faults[{i}]", actors.get(f.actor)
+        if f.actor == SUPERVISOR:
+            if f.at not in supervisor_points:
+                raise ConfigError(f"{key}.at: the supervisor has fault points {list(supervisor_points)} (got {f.at!r})")
+            if f.kind != "sigkill":
+                raise ConfigError(f"{key}.kind: the supervisor can only be struck with sigkill (got {f.kind!r})")
+            continue
         if cls is None:
-            raise ConfigError(f"{key}.actor: no actor {f.actor!r} (actors: {', '.join(sorted(actors))})")
+            raise ConfigError(f"{key}.actor: no actor {f.actor!r} (actors: {', '.join(sorted(actors))}, "
+                              f"{SUPERVISOR})")
         if f.at not in cls.FAULT_POINTS:
             raise ConfigError(f"{key}.at: {f.actor} has fault points {list(cls.FAULT_POINTS)} (got {f.at!r})")
         if f.kind in ("slow", "nan") and f.at != "work":
@@ -171,18 +197,46 @@ def check_faults(faults, actors: dict[str, type]) -> None:
             raise ConfigError(f"{key}.kind: {f.actor} has no numeric output to make non-finite")
 
 
+def strike_self(faults, where: str, progress: int, run_dir: Path, log: Callable[..., None]) -> None:
+    """SIGKILL this process if a ``runtime.faults`` entry aimed at the supervisor is due at
+    ``where`` (``progress``: batches committed, against its ``at_batch``), logging it
+    first through ``log`` (an ``EventLog.log``). Once per run directory, not per
+    supervisor as an actor's fault: the struck job is resumed on the same config, and
+    its events.log says what already fired."""
+    due = [i for i, f in enumerate(faults) if f.actor == SUPERVISOR and f.at == where and progress >= f.at_batch]
+    if not due:
+        return
+    fired = set()
+    path = Path(run_dir) / "events.log"
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "fault" and e.get("actor") == SUPERVISOR:
+            fired.add(e.get("index"))
+    for i in due:
+        if i not in fired:
+            log("fault", actor=SUPERVISOR, index=i, kind="sigkill", at=where, batch=progress,
+                reason=f"injected by runtime.faults[{i}]")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Supervisor:
     def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec],
                  n_batches: int, *, meta_cols: int = 0, first_batch: int = 0, num_threads: int = 1,
                  on_status: Optional[Callable[[dict], None]] = None,
-                 forkserver: Optional[forking.ForkServerStarter] = None):
+                 forkserver: Optional[forking.ForkServerStarter] = None,
+                 supervisor_points: tuple[str, ...] = SUPERVISOR_POINTS):
         """Allocates every shared buffer (rings, ledger, heartbeats); spawns nothing yet.
         Batch ids are ``0 .. n_batches-1``; those below ``first_batch`` count as committed
         (a resumed run). ``meta_cols``: ints per ledger row for the first stage to fill.
         ``on_status(status)`` runs before each status.json write and may add keys (the
         training job adds its step and loss, and moves its progress bar). ``forkserver``:
         a server its caller started (and stops) to fork this job's actors from, when
-        ``runtime.start_method`` is forkserver; None: the supervisor starts its own."""
+        ``runtime.start_method`` is forkserver; None: the supervisor starts its own.
+        ``supervisor_points``: the fault points of ``runtime.faults`` entries aimed at
+        the supervisor, its own and its caller's (``SUPERVISOR_POINTS``)."""
         self.cfg = runtime
         self.run_dir = Path(runtime.run_dir)
         self.rings = {spec.name: Ring.allocate(spec) for spec in rings}
@@ -203,7 +257,7 @@ class Supervisor:
         self.work_times = torch.zeros(n_batches, len(stages), dtype=torch.float64).share_memory_()
         """Seconds each stage's ``work`` took on each batch (written by the actor that
         committed it): what the training job's per-step accounting reads."""
-        check_faults(runtime.faults, {c.actor_id: c.stage.actor for c in self.children})
+        check_faults(runtime.faults, {c.actor_id: c.stage.actor for c in self.children}, supervisor_points)
         # Which injected faults have fired: shared, so that a replacement does not fire again.
         self.fired = torch.zeros(max(1, len(runtime.faults)), dtype=torch.int8).share_memory_()
         self.dispatcher = Dispatcher(stages, rings, self.ledger,
@@ -214,6 +268,12 @@ class Supervisor:
         self._mp = tmp.get_context("spawn")     # pipes; and the processes under spawn
         self._own_server = forkserver is None
         self._server = None if self.start_method != "forkserver" else forkserver or forking.ForkServerStarter()
+        if self._server is not None:
+            self._server.first_fork_timeout_s = runtime.start_timeout_s
+            self._server.fork_timeout_s = runtime.fork_timeout_s
+        self._server_policy = RestartPolicy(runtime.max_restarts, runtime.restart_window_s)
+        self.forkserver_restarts = 0
+        """Times the fork server was lost and replaced (or given up for spawn)."""
         self._forker_pid = os.getpid()   # the process each actor is forked from
         self._stop_signal: Optional[str] = None
         self._failure: Optional[str] = None
@@ -226,7 +286,7 @@ class Supervisor:
 
     def run(self) -> JobResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._events = EventLog(self.run_dir / "events.log")
+        self._events = EventLog(self.run_dir / "events.log", on_error=self.request_failure)
         if self.cfg.trace:
             clear(self.run_dir)
             self.tracer = Tracer(part_path(self.run_dir, "supervisor"), SUPERVISOR_TRACK, self._window)
@@ -238,7 +298,8 @@ class Supervisor:
             if self._server is not None:
                 self._start_forkserver()
             for c in self.children:
-                self._spawn(c, "initial start")
+                if c.proc is None:      # a fork server lost on the way has started the rest
+                    self._spawn(c, "initial start")
             result = self._loop()
         except BaseException as e:
             self._log("abort", reason=f"supervisor error: {type(e).__name__}: {e}")
@@ -252,6 +313,8 @@ class Supervisor:
                 # After the stop: Done messages read while the actors finished count too.
                 result.committed = list(self.dispatcher.committed)
                 result.restarts = {c.actor_id: c.restarts for c in self.children}
+                if self.forkserver_restarts:
+                    result.restarts["forkserver"] = self.forkserver_restarts
                 self.state = result.state
                 self._log("end", state=result.state.value, reason=result.reason, restarts=result.restarts)
             self._write_status()
@@ -303,6 +366,9 @@ class Supervisor:
                 for f in c.followers:
                     if f.conn is not None and f.conn in ready:
                         self._read_follower(c, f)
+            if self._server is not None and self._server.sentinel in ready:
+                self._server_lost(f"the fork server (pid {self._server.pid}) {self._server.ended_how()}")
+                continue
             for c in self.children:
                 if c.proc is None:
                     continue
@@ -336,14 +402,23 @@ class Supervisor:
 
     def _spawn(self, c: _Child, reason: str) -> None:
         """Start ``c``: one process, or a gang's every rank (rank 0 first), with a new
-        rendezvous: a collective group does not outlive any of its ranks."""
+        rendezvous: a collective group does not outlive any of its ranks. A fork server
+        that fails to fork takes every actor with it (``_server_lost``), ``c`` included."""
+        try:
+            self._spawn_now(c, reason)
+        except forking.ForkServerError as e:
+            self._server_lost(str(e))
+
+    def _spawn_now(self, c: _Child, reason: str) -> None:
         s = c.stage
         rendezvous = f"tcp://127.0.0.1:{_free_port()}" if s.gang > 1 else None
-        proc, parent_conn = self._start(c, c.number, 0, rendezvous)
-        c.proc, c.conn, c.ready, c.rank0_ready, c.hung, c.error = proc, parent_conn, False, False, None, None
+        c.ready, c.rank0_ready, c.hung, c.error = False, False, None, None
+        for f in c.followers:
+            f.ready, f.hung, f.error = False, None, None
+        c.proc, c.conn = self._start(c, c.number, 0, rendezvous)
         for f in c.followers:
             f.proc, f.conn = self._start(c, f.number, f.rank, rendezvous)
-            f.ready, f.hung, f.error = False, None, None
+        proc = c.proc
         c.spawned_at = time.monotonic()
         first = "fork" if self.start_method == "forkserver" else "start process, import"
         c.starting = {"name": first, "done": None, "total": None, "since": c.spawned_at, "last": c.spawned_at}
@@ -353,6 +428,9 @@ class Supervisor:
             c.ps = None     # gone already; its sentinel says so
         ranks = {"ranks": [proc.pid] + [f.proc.pid for f in c.followers]} if c.followers else {}
         self._log("spawn", actor=c.actor_id, pid=proc.pid, reason=reason, **ranks)
+        if c.followers:
+            strike_self(self.cfg.faults, "gang", len(self.ledger) - self.dispatcher.remaining(), self.run_dir,
+                        self._log)
 
     def _start(self, c: _Child, number: int, rank: int, rendezvous: Optional[str]):
         """One process of ``c`` (``rank`` of its gang, heartbeat row ``number``) and the
@@ -373,9 +451,78 @@ class Supervisor:
         Process = self._server.Process if self._server is not None else self._mp.Process
         name = c.actor_id if rank == 0 else f"{c.actor_id}.rank{rank}"
         proc = Process(target=boot, args=(self._forker_pid, Deferred((s.actor, ctx))), name=name, daemon=True)
-        proc.start()
-        child_conn.close()
+        try:
+            proc.start()
+        except BaseException:
+            parent_conn.close()
+            raise
+        finally:
+            child_conn.close()
         return proc, parent_conn
+
+    def _server_lost(self, cause: str) -> None:
+        """The fork server died, or failed to fork in time: every actor forked from it
+        dies with it (their parent-death signal is tied to it), so each one's batches go
+        back and all of them start again, as one restart event of the server, not a
+        death of each (their restart intensity is not charged). The new server has the
+        first one's settings (``ForkServerStarter.restart``); past the restart
+        intensity, or if it will not start, the job goes on with spawn. A new server
+        that fails too is dealt with the same way."""
+        while True:
+            self._log("forkserver_lost", pid=self._server.pid, reason=cause)
+            self._server.stop(wait_s=0.0)       # a stopped or hung one is killed: its actors go with it
+            for c in self.children:
+                if c.proc is not None:
+                    self._bury(c, f"its fork server was lost ({cause})")
+            self.forkserver_restarts += 1
+            line = None
+            if self._server_policy.decide(time.monotonic(), None) is Decision.RESTART:
+                try:
+                    self._forker_pid = self._server.restart()
+                    line = f"fork server restarted (pid {self._forker_pid}) after: {cause}"
+                    self._log("forkserver", pid=self._forker_pid, preload=list(self._server.preload[1:]),
+                              reason=f"restarted after: {cause}")
+                except Exception as e:  # noqa: BLE001 - whatever stops a new server, spawn remains
+                    cause = f"{cause}; a new one did not start: {type(e).__name__}: {e}"
+            else:
+                cause = (f"{cause}; lost {self._server_policy.recent} times within {self.cfg.restart_window_s:g}s "
+                         f"(max_restarts={self.cfg.max_restarts})")
+            if line is None:
+                self._server.stop(wait_s=0.0)
+                self._server, self.start_method, self._forker_pid = None, "spawn", os.getpid()
+                line = f"fork server given up, actors start with spawn from now on: {cause}"
+                self._log("forkserver_given_up", reason=cause)
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+            try:
+                for c in self.children:
+                    if c.proc is None:
+                        self._spawn_now(c, f"restart after its fork server was lost ({cause})")
+                return
+            except forking.ForkServerError as e:
+                cause = str(e)
+
+    def _bury(self, c: _Child, cause: str) -> None:
+        """An actor whose fork server is gone: its every rank killed (the parent-death
+        signal is on its way; this does not wait for it), reaped, read, and its batches
+        recovered."""
+        procs = [p for p in [c.proc] + [f.proc for f in c.followers] if p is not None]
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.join()
+        self._read(c)
+        for f in c.followers:
+            if f.proc is not None:
+                self._read_follower(c, f)
+                f.conn.close()
+                f.proc.close()
+                f.proc, f.conn = None, None
+        c.conn.close()
+        c.proc.close()
+        c.proc, c.conn = None, None
+        settled, put_back, redone = self.dispatcher.on_death(c.number)
+        self._log("died", actor=c.actor_id, reason=cause, settled=settled, put_back=put_back,
+                  decision=Decision.RESTART.value, **({"redone": redone} if redone else {}))
 
     def _start_forkserver(self) -> None:
         """Start the fork server every actor of this run is forked from, with its
@@ -393,6 +540,10 @@ class Supervisor:
                       reason="actors fork from a server that imported these once")
         else:
             self._forker_pid = self._server.pid
+            if not self._server.alive():        # it died before this job began
+                self._server_lost(f"the fork server started at launch (pid {self._forker_pid}) "
+                                  f"{self._server.ended_how()} before the job began")
+                return
             self._log("forkserver", pid=self._forker_pid, preload=list(self._server.preload[1:]),
                       not_preloaded=[m for m in modules if m not in self._server.preload],
                       reason="actors fork from the server started at launch, whose imports overlapped the checks")
@@ -451,7 +602,12 @@ class Supervisor:
                 f.error = msg
                 self._log("actor_error", actor=c.actor_id, rank=f.rank, reason=msg.one_line(),
                           traceback=msg.traceback_text)
-            elif not isinstance(msg, Starting):     # rank 0 speaks for the gang's start
+            elif isinstance(msg, Starting):
+                # Rank 0 speaks for the gang's start; a follower's counts still show
+                # that the gang is not hung.
+                if c.starting is not None:
+                    c.starting["last"] = time.monotonic()
+            else:
                 raise TypeError(f"{c.actor_id} rank {f.rank} sent {msg!r}")
 
     def _end_gang(self, c: _Child, first: Optional[_Rank]) -> Optional[tuple[str, Optional[ActorError]]]:
@@ -535,8 +691,11 @@ class Supervisor:
 
     def _hang_reason(self, c: _Child, now: float) -> Optional[str]:
         if not c.ready:
-            if now - c.spawned_at > self.cfg.start_timeout_s:
-                return f"not ready {now - c.spawned_at:.1f}s after spawn (start_timeout_s={self.cfg.start_timeout_s:g})"
+            idle = now - self._progressed_at(c)
+            if idle > self.cfg.start_timeout_s:
+                phase = f" in {c.starting['name']!r}" if c.starting else ""
+                return (f"not ready: no start-up progress{phase} for {idle:.1f}s, {now - c.spawned_at:.1f}s after "
+                        f"spawn (start_timeout_s={self.cfg.start_timeout_s:g})")
             return None
         age = now - self.heartbeats.row(c.number)["beat"]
         if age > self.cfg.hang_timeout_s:
@@ -552,9 +711,14 @@ class Supervisor:
                 for n in [c.number] + [f.number for f in c.followers if f.proc is not None and not f.hung]:
                     deadlines.append(self.heartbeats.row(n)["beat"] + self.cfg.hang_timeout_s)
             else:
-                deadlines.append(c.spawned_at + self.cfg.start_timeout_s)
+                deadlines.append(self._progressed_at(c) + self.cfg.start_timeout_s)
         # A beat may have moved on since we read it; the check itself rereads.
         return min(deadlines, default=float("inf")) + 0.01
+
+    @staticmethod
+    def _progressed_at(c: _Child) -> float:
+        """When ``c``, not yet ready, last showed start-up progress (any rank's)."""
+        return c.starting["last"] if c.starting is not None else c.spawned_at
 
     def _send(self, c: _Child, msg) -> None:
         """To the actor; to a gang, to every rank in the same order (they run the same
@@ -659,6 +823,8 @@ class Supervisor:
 
     def _waitables(self) -> list:
         objs = [self._wake_r]
+        if self._server is not None and self._server.sentinel is not None:
+            objs.append(self._server.sentinel)
         for c in self.children:
             if c.proc is not None:
                 objs += [c.conn, c.proc.sentinel]
@@ -704,6 +870,7 @@ class Supervisor:
         return {"time": round(time.time(), 3), "state": self.state.value, "reason": self.reason,
                 "supervisor_pid": os.getpid(), "start_method": self.start_method,
                 "forkserver_pid": self._server.pid if self._server is not None else None,
+                "forkserver_restarts": self.forkserver_restarts,
                 "supervisor_started": self._ps.create_time(), "supervisor": {"rss_mb": rss, "cpu_pct": cpu},
                 "stuck_after_s": self.cfg.stuck_s, "hang_timeout_s": self.cfg.hang_timeout_s,
                 "actors": actors, "rings": self.dispatcher.occupancy(),
@@ -747,7 +914,14 @@ class Supervisor:
         status = self.status()
         if self.on_status is not None:
             self.on_status(status)
-        write_atomically(self.run_dir / STATUS_FILE, lambda tmp: tmp.write_text(json.dumps(status, indent=1)))
+        path = self.run_dir / STATUS_FILE
+        try:
+            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(status, indent=1)))
+        except OSError as e:    # a full disk, a directory put in its place: stop, as events.log does
+            self.request_failure(cannot_write(path, e))
+        # Steady training logs no decision for minutes: look at events.log as often as at
+        # status.json, so that a broken one stops the job now, not at the next decision.
+        self._events.probe()
 
 
 def _usage(ps: Optional[psutil.Process]) -> tuple[Optional[float], Optional[float]]:

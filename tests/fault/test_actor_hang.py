@@ -1,4 +1,6 @@
-"""SIGSTOP: an actor alive but silent is detected within hang_timeout_s and replaced."""
+"""SIGSTOP: an actor alive but silent is detected within hang_timeout_s and replaced;
+before Ready, an actor is hung only when its start-up has shown no progress for
+start_timeout_s, however long the whole start takes."""
 
 import signal
 
@@ -35,3 +37,22 @@ def test_slow_step_that_beats_is_not_a_hang(tmp_path):
     result = sup.run()
     assert result.state is JobState.DONE
     assert not events(tmp_path / "run", "hang")
+
+
+def test_a_start_that_counts_outlives_start_timeout_and_a_silent_one_does_not(tmp_path):
+    """Gangs of 2 whose load takes 2.4 s against a 1.2 s start_timeout_s: counting every
+    0.2 s, the gang starts once and the job ends; silent, it is killed as hung (and,
+    silent at every start, given up on as a crash loop)."""
+    sup, results = toy_job(runtime(tmp_path / "counts", start_timeout_s=1.2), n_batches=20, target_gang=2,
+                           target_start_s=2.4)
+    result = sup.run()
+    assert result.state is JobState.DONE, result.reason
+    assert_exactly_once(sup, results, result, 20)
+    assert not events(tmp_path / "counts" / "run", "hang")
+
+    sup, _ = toy_job(runtime(tmp_path / "silent", start_timeout_s=1.2, max_restarts=1), n_batches=20,
+                     target_gang=2, target_start_s=2.4, target_start_counts=False)
+    result = sup.run()
+    assert result.state is JobState.FAILED
+    hangs = events(tmp_path / "silent" / "run", "hang")
+    assert hangs and all(h["actor"] == "target.0" and "no start-up progress" in h["reason"] for h in hangs)

@@ -88,6 +88,10 @@ class ToySpec:
     """The sink's batch at which it finds the ledger contradicted (a ``ProtocolError``)."""
     escalate_rank: Optional[int] = None
     """A gang's rank (above 0) that raises ``ToyEscalate`` in ``attach``."""
+    start_s: float = 0.0
+    """How long ``attach`` takes (the targets'), as a load would."""
+    start_counts: bool = True
+    """Whether that load says how far it is (``Actor.starting``) every 0.2 s, or stays silent."""
 
 
 class ToyEscalate(Escalate):
@@ -100,6 +104,11 @@ class _Toy(Actor):
     def attach(self) -> None:
         if self.spec.fail_on_start:
             raise RuntimeError(f"toy {self.ctx.actor_id} told to fail on start")
+        steps = round(self.spec.start_s / 0.2)
+        for i in range(steps):
+            if self.spec.start_counts:
+                self.starting("toy load", i, steps)
+            time.sleep(0.2)
 
     def _spend(self) -> None:
         end = time.monotonic() + self.spec.work_s
@@ -183,7 +192,8 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
             max_rows: int = 8, width: int = 24, work_s: float = 0.0, fail_on_start: str | None = None,
             n_targets: int = 1, n_drafters: int = 1, model: str | None = None,
             contradict_at: int | None = None, target_gang: int = 1,
-            escalate_rank: int | None = None) -> tuple[Supervisor, torch.Tensor]:
+            escalate_rank: int | None = None, target_start_s: float = 0.0,
+            target_start_counts: bool = True) -> tuple[Supervisor, torch.Tensor]:
     """A supervisor over loader -> [target ->] drafter (the sink) with toy actors, and
     the shared results table the sink fills. ``stages`` is 2 (loader -> drafter over
     the batch ring) or 3 (with targets and a feature ring); ``target_gang``: processes
@@ -206,7 +216,8 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
         rings.append(RingSpec("features", runtime.feature_slots, fields + (hidden,)))
         plan.append(Stage("target", ToyTarget, S.LOADED, S.FEATURED, count=n_targets, in_ring="batch",
                           out_ring="features", gang=target_gang,
-                          spec=spec("target", model=model, escalate_rank=escalate_rank)))
+                          spec=spec("target", model=model, escalate_rank=escalate_rank, start_s=target_start_s,
+                                    start_counts=target_start_counts)))
         plan.append(Stage("drafter", ToySink, S.FEATURED, S.COMMITTED, count=n_drafters, in_ring="features",
                           route=route, spec=sink))
     else:
