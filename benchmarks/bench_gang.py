@@ -7,6 +7,9 @@
    the first optimizer step and to target.0's first Ready (``events.log``), then
    target.0 killed ``--kills`` times with SIGKILL by a pid from ``status.json`` (rank
    0, and for the gang rank 1 as often): seconds from the kill to the gang's Ready.
+   Each gang twice: its ranks slicing their shards from the job's shared copy of the
+   weights (``target.share_weights: on``, key ``tpK``) and reading them from the
+   checkpoint at every start (``off``, key ``tpK_disk``).
    SmolLM2 has 9 attention heads and 3 key-value heads, so it splits 3 ways, not 2
    (``--smollm-tp``): its gang is three processes on this machine's two cores.
 2. The tiny target's 1x2-1 run against the 1-1 reference: the largest relative
@@ -59,10 +62,11 @@ def kill_rank(job: Launched, rank: int) -> float:
     raise TimeoutError("target.0 did not come back")
 
 
-def startup(name: str, args: list[str], sets: list[str], tp: int, kills: int, tmp: Path) -> dict:
+def startup(name: str, args: list[str], sets: list[str], tp: int, kills: int, tmp: Path, share: str = "on") -> dict:
     topo = f"1x{tp}-1" if tp > 1 else "1-1"
-    say(f"{name} {topo}")
-    job = Launched(tmp / f"{name}-{tp}", [*args, "--topology", topo], [*sets, *LONG])
+    say(f"{name} {topo} share_weights {share}")
+    job = Launched(tmp / f"{name}-{tp}-{share}", [*args, "--topology", topo],
+                   [*sets, *LONG, f"target.share_weights={share}"])
     try:
         out = {"first_step_s": job.wait_first_step(1200)}
         first = next(e for e in events(job.run_dir) if e["event"] == "ready" and e.get("actor") == "target.0")
@@ -87,7 +91,7 @@ def _rank_forward(rank, world, port, path, layer_ids, ids, threads, reps, out):
     torch.set_num_threads(threads)
     if world > 1:
         tensor_parallel.join(f"tcp://127.0.0.1:{port}", rank, world, torch.device("cpu"), 300)
-        model = TargetModel(tensor_parallel.load_shard(path, torch.float32, world), layer_ids)
+        model = TargetModel(tensor_parallel.load_shard(path, torch.float32, world, torch.device("cpu")), layer_ids)
     else:
         from transformers import AutoModelForCausalLM
         model = TargetModel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), layer_ids)
@@ -175,6 +179,7 @@ def main(argv=None) -> int:
         tmp = Path(d)
         from dflash_actors.config import load_config
         out["tiny"] = {f"tp{tp}": startup("tiny", [], [], tp, args.kills, tmp) for tp in (1, 2)}
+        out["tiny"]["tp2_disk"] = startup("tiny", [], [], 2, args.kills, tmp, "off")
         out["tiny"]["equivalence"] = equivalence(tmp)
         out["tiny"]["features"] = features(load_config(ROOT / "configs" / "default.yaml"), args.tokens, args.reps, 2)
         if smollm:
@@ -183,6 +188,8 @@ def main(argv=None) -> int:
             sets = ["eval.every=0", "target.feature_cache=off"]
             out["smollm2"] = {f"tp{tp}": startup("smollm2", sm, sets, tp, max(1, args.kills // 2), tmp)
                               for tp in (1, args.smollm_tp)}
+            out["smollm2"][f"tp{args.smollm_tp}_disk"] = startup("smollm2", sm, sets, args.smollm_tp,
+                                                                 max(1, args.kills // 2), tmp, "off")
             out["smollm2"]["features"] = features(load_config(ROOT / "configs" / "smollm2-135m.yaml"), args.tokens,
                                                   args.reps, args.smollm_tp)
         else:

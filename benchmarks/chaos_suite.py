@@ -1,23 +1,35 @@
-"""``make chaos``: one 2-2 job trained three times, clean and under two kinds of chaos,
-compared bit for bit. Prints one JSON line.
+"""``make chaos``: two jobs, each trained clean and under chaos, compared bit for bit.
+Prints one JSON line.
 
-1. clean: ``launch.py`` undisturbed; its final weights are the oracle.
-2. external: ``launch.py chaos`` kills random actors with kill -9
-   (``KILLS``), the supervisor itself (``SUPERVISOR_KILLS``, each followed by
-   ``--resume``), and SIGSTOPs then SIGCONTs one healthy actor for half of
-   ``hang_timeout_s`` (it must not be restarted). ``runtime.faults`` adds a kill
-   in the middle of a checkpoint write and one in the middle of a weight publication.
-3. internal: ``launch.py --chaos SEED``: random injected faults of every ending kind
-   (kill, exit, exception, segfault, hang, slow) at every fault point of every actor.
+The jobs: a 2-2 (two targets, two drafters) and a 1x2-1 (one target split over a gang of
+two ranks, tensor parallel, whose ranks slice their shards from the job's shared copy of
+the weights). Every kind of process is struck: actors, gang leaders and followers, the
+fork server, the supervisor.
 
-For the chaotic runs: exit 0, final weights bit-identical to the clean run's, the
-final checkpoint verifies and loads, its batch count equals the run's batch count
-(each step checks that every drafter's sum holds exactly its batches), no process of
-the run outlives it, and /dev/shm gains nothing.
+1. clean: ``launch.py`` undisturbed; its final weights are that job's oracle.
+2. external: ``launch.py chaos`` strikes from outside with kill -9 (actors; a gang's
+   leader and follower in turn; the supervisor, each followed by ``--resume``; the fork
+   server), SIGSTOPs the fork server and then kills an actor (so the stopped server
+   must be replaced), and SIGSTOPs then SIGCONTs one healthy actor for half of
+   ``hang_timeout_s`` (it must not be restarted). ``runtime.faults`` strikes from
+   inside where only inside can time it: a kill in the middle of a checkpoint write and
+   of a weight publication (optimizer), of a target while it maps or slices the shared
+   weights (``load``) and while its gang forms (``join``), and of the supervisor itself
+   halfway through reading the shared weights (``share_weights``) and while a gang forms
+   (``gang``); the driver resumes a supervisor so struck.
+3. internal (2-2): ``launch.py --chaos SEED``: random injected faults of every ending
+   kind (kill, exit, exception, segfault, hang, slow) at every fault point of every actor.
+
+For the chaotic runs: exit 0, final weights bit-identical to their job's clean run, the
+final checkpoint verifies and loads, its batch count equals the run's batch count (each
+step checks that every drafter's sum holds exactly its batches), no process of the run
+outlives it (the driver tracks every pid it saw in status.json, fork servers and gang
+ranks included), and /dev/shm gains nothing. Faults are counted by kind.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import statistics
@@ -33,28 +45,48 @@ from dflash_actors.tools.chaos import restart_times
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
-KILLS, SUPERVISOR_KILLS, STOPS, INTERNAL_FAULTS = 20, 5, 1, 12
-# About 2 minutes of training here undisturbed (400 steps), long enough for every event
-# to land while it runs: restarts now take a fraction of a second, so the chaos barely
-# slows the run, and at 40 epochs (47 s) it ended before 14 of its 26 events
-# (2026-12-03). Chaos restarts an actor far more often than a healthy cluster: the
+INTERNAL_FAULTS = 12
+COMMON = ["--set", "data.synthetic.num_samples=128", "--set", "data.synthetic.heldout_samples=4",
+          "--set", "train.checkpoint_every=4", "--set", "runtime.heartbeat_s=0.2",
+          "--set", "runtime.hang_timeout_s=10", "--set", "runtime.grace_s=5", "--set", "runtime.max_restarts=30",
+          "--set", f"data.cache_dir={ROOT / '.cache'}"]
+# Long enough for every event to land while the job runs (restarts take a fraction of
+# a second, so chaos barely slows it): 2-2 at 100 epochs is about a minute here, and at
+# 40 epochs (47 s) it ended before 14 of its 26 events (2026-12-03); the gang's forward
+# is slower. Chaos restarts an actor far more often than a healthy cluster: the
 # restart-intensity limit is raised so that it does not end the run.
-JOB = ["--topology", "2-2", "--set", "data.synthetic.num_samples=128", "--set", "data.synthetic.heldout_samples=4",
-       "--set", "train.epochs=100", "--set", "train.checkpoint_every=4", "--set", "runtime.heartbeat_s=0.2",
-       "--set", "runtime.hang_timeout_s=10", "--set", "runtime.grace_s=5", "--set", "runtime.max_restarts=30",
-       "--set", f"data.cache_dir={ROOT / '.cache'}"]
-MID_WRITE = [{"actor": "optimizer.0", "at_batch": 60, "kind": "sigkill", "at": "checkpoint"},
-             {"actor": "optimizer.0", "at_batch": 100, "kind": "sigkill", "at": "publish"}]
+JOBS = {
+    "2-2": {
+        "args": ["--topology", "2-2", "--set", "train.epochs=100", *COMMON],
+        "strikes": {"--kills": 20, "--supervisor-kills": 5, "--forkserver-kills": 2, "--forkserver-stops": 1,
+                    "--stop-cont": 1},
+        "faults": [{"actor": "optimizer.0", "at_batch": 60, "kind": "sigkill", "at": "checkpoint"},
+                   {"actor": "optimizer.0", "at_batch": 100, "kind": "sigkill", "at": "publish"},
+                   {"actor": "target.1", "at_batch": 80, "kind": "sigkill", "at": "load"}],
+        "internal": True,
+    },
+    "1x2-1": {
+        "args": ["--topology", "1x2-1", "--set", "train.epochs=40", *COMMON],
+        "strikes": {"--kills": 10, "--supervisor-kills": 2, "--forkserver-kills": 2, "--forkserver-stops": 1,
+                    "--stop-cont": 1},
+        "faults": [{"actor": "supervisor", "at_batch": 0, "kind": "sigkill", "at": "share_weights"},
+                   {"actor": "supervisor", "at_batch": 60, "kind": "sigkill", "at": "gang"},
+                   {"actor": "target.0", "at_batch": 40, "kind": "sigkill", "at": "join"},
+                   {"actor": "target.0", "at_batch": 120, "kind": "sigkill", "at": "load"},
+                   {"actor": "optimizer.0", "at_batch": 90, "kind": "sigkill", "at": "checkpoint"}],
+        "internal": False,
+    },
+}
 
 
 def progress(msg: str) -> None:
     print(f"# {msg}", flush=True)
 
 
-def launch(run_dir: Path, *extra: str) -> tuple[int, float]:
+def launch(run_dir: Path, args: list[str], *extra: str) -> tuple[int, float]:
     t = time.monotonic()
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
-        code = subprocess.call([sys.executable, "launch.py", "--run-dir", str(run_dir), *JOB, *extra],
+        code = subprocess.call([sys.executable, "launch.py", "--run-dir", str(run_dir), *args, *extra],
                                cwd=ROOT, stdout=log, stderr=log)
     return code, time.monotonic() - t
 
@@ -74,6 +106,7 @@ def events(run_dir: Path) -> list[dict]:
 
 
 def orphans(run_dir: Path) -> list[int]:
+    """launch.py processes of the run still alive (the driver tracks the rest)."""
     import psutil
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -98,71 +131,95 @@ def judge(name: str, run_dir: Path, code: int, clean: dict, total_batches: int) 
             "problems": problems}
 
 
-def main() -> int:
-    t_all = time.monotonic()
-    shm_before = set(os.listdir("/dev/shm"))
-    base = Path(tempfile.mkdtemp(prefix="chaos-", dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None))
-    progress(f"runs under {base}")
+def fired(run_dir: Path) -> collections.Counter:
+    """The ``runtime.faults`` that fired, by kind of strike."""
+    out = collections.Counter()
+    for e in events(run_dir):
+        if e["event"] != "fault":
+            continue
+        who = "supervisor" if e.get("actor") == "supervisor" else "actor"
+        out[f"{who}_{e['kind']}_at_{e['at']}"] += 1
+    return out
 
-    progress("clean run ...")
-    code, clean_s = launch(base / "clean")
-    clean_w, clean_state, problems = final(base / "clean")
+
+def run_job(name: str, job: dict, base: Path) -> dict:
+    """One job clean, then under external chaos (and internal, when asked): its record."""
+    args = job["args"]
+    progress(f"{name}: clean run ...")
+    code, clean_s = launch(base / f"{name}-clean", args)
+    clean_w, clean_state, problems = final(base / f"{name}-clean")
     if code or problems:
-        print(json.dumps({"error": f"the clean run failed (exit {code}) {problems}; see {base}/clean.log"}))
-        return 1
+        return {"job": name, "error": f"the clean run failed (exit {code}) {problems}; see {base}/{name}-clean.log"}
     total = clean_state["next_batch"]
-    progress(f"clean: {clean_s:.0f} s, {total} batches")
+    progress(f"{name}: clean {clean_s:.0f} s, {total} batches")
 
-    progress(f"external chaos: {KILLS} actor kills, {SUPERVISOR_KILLS} supervisor kills, {STOPS} stop/cont ...")
-    ext_dir = base / "external"
+    progress(f"{name}: external chaos {job['strikes']} + {len(job['faults'])} runtime.faults ...")
+    ext_dir = base / f"{name}-external"
+    strikes = [str(x) for kv in job["strikes"].items() for x in kv]
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "launch.py", "chaos", str(ext_dir), "--kills", str(KILLS),
-                           "--supervisor-kills", str(SUPERVISOR_KILLS), "--stop-cont", str(STOPS),
-                           "--seed", str(SEED), "--quiet", "--", *JOB, "--set",
-                           "runtime.faults=" + json.dumps(MID_WRITE)],
+    proc = subprocess.run([sys.executable, "launch.py", "chaos", str(ext_dir), *strikes, "--seed", str(SEED),
+                           "--quiet", "--", *args, "--set", "runtime.faults=" + json.dumps(job["faults"])],
                           cwd=ROOT, capture_output=True, text=True)
     ext_s = time.monotonic() - t
     driver = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {"problems": [proc.stderr]}
     ext = judge("external", ext_dir, driver.get("exit_code", -1), clean_w, total)
     ext["problems"] += driver["problems"]
-    ext_ev = events(ext_dir)
-    mid_write = [e for e in ext_ev if e["event"] == "fault"]
-    progress(f"external: {ext_s:.0f} s, {driver}")
+    by_kind = collections.Counter({k: v for k, v in driver.items()
+                                   if k.endswith(("kills", "stops")) and isinstance(v, int) and v})
+    by_kind.update(fired(ext_dir))
+    progress(f"{name}: external {ext_s:.0f} s, {driver}")
+    runs, restarts = [ext], restart_times(ext_dir)
+    internal_s = None
+    if job["internal"]:
+        progress(f"{name}: internal chaos: launch.py --chaos {SEED} ({INTERNAL_FAULTS} faults) ...")
+        int_dir = base / f"{name}-internal"
+        code, internal_s = launch(int_dir, args, "--chaos", str(SEED), "--chaos-faults", str(INTERNAL_FAULTS))
+        runs.append(judge("internal", int_dir, code, clean_w, total))
+        internal = fired(int_dir)
+        by_kind.update({f"internal_{k}": v for k, v in internal.items()})
+        restarts += restart_times(int_dir)
+        progress(f"{name}: internal {internal_s:.0f} s, {sum(internal.values())} faults fired")
+    counted = all(r["batches_lost"] is not None for r in runs)
+    return {"job": name, "batches": total, "faults": sum(by_kind.values()),
+            "faults_by_kind": dict(sorted(by_kind.items())), "stop_cont": driver.get("stop_cont"),
+            "batches_lost": sum(r["batches_lost"] for r in runs) if counted else None,
+            "batches_duplicated": sum(r["batches_duplicated"] for r in runs) if counted else None,
+            "bit_identical": all(r["bit_identical"] for r in runs),
+            "restart_s_median": round(statistics.median(restarts), 2) if restarts else None,
+            "restart_s_max": round(max(restarts), 2) if restarts else None,
+            "supervisor_restart_s_median": driver.get("supervisor_restart_s_median"),
+            "processes_tracked": driver.get("processes_seen"),
+            "clean_s": round(clean_s, 1), "wall_over_clean": round(ext_s / clean_s, 2),
+            **({"internal_wall_over_clean": round(internal_s / clean_s, 2)} if internal_s else {}),
+            "problems": [p for r in runs for p in r["problems"]]}
 
-    progress(f"internal chaos: launch.py --chaos {SEED} ({INTERNAL_FAULTS} faults) ...")
-    int_dir = base / "internal"
-    code, int_s = launch(int_dir, "--chaos", str(SEED), "--chaos-faults", str(INTERNAL_FAULTS))
-    internal = judge("internal", int_dir, code, clean_w, total)
-    int_ev = events(int_dir)
-    fired = [e for e in int_ev if e["event"] == "fault"]
-    progress(f"internal: {int_s:.0f} s, {len(fired)} faults fired")
 
-    restarts = restart_times(ext_dir) + restart_times(int_dir)
-    injected = driver.get("kills", 0) + driver.get("supervisor_kills", 0) + len(mid_write) + len(fired)
-    runs = [ext, internal]
-    survived = injected if all(r["bit_identical"] and not r["problems"] for r in runs) else 0
+def main() -> int:
+    t_all = time.monotonic()
+    shm_before = set(os.listdir("/dev/shm"))
+    base = Path(tempfile.mkdtemp(prefix="chaos-", dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None))
+    progress(f"runs under {base}")
+    jobs = [run_job(name, job, base) for name, job in JOBS.items()]
     time.sleep(1.0)
     shm_new = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    failed = [j for j in jobs if "error" in j]
+    by_kind = collections.Counter()
+    for j in jobs:
+        by_kind.update(j.get("faults_by_kind", {}))
+    ok = (not failed and all(j["bit_identical"] and not j["problems"] and j["batches_lost"] == 0
+                             and j["batches_duplicated"] == 0 for j in jobs) and not shm_new)
+    injected = sum(by_kind.values())
     record = {
-        "bench": "chaos", "seed": SEED, "topology": "2-2", "batches": total,
-        "faults_injected": injected, "faults_survived": survived,
-        "actor_kills": driver.get("kills"), "supervisor_kills": driver.get("supervisor_kills"),
-        "stop_cont": driver.get("stop_cont"), "mid_write_faults": len(mid_write), "internal_faults": len(fired),
-        "batches_lost": sum(r["batches_lost"] or 0 for r in runs) if all(r["batches_lost"] is not None for r in runs)
-        else None,
-        "batches_duplicated": sum(r["batches_duplicated"] or 0 for r in runs)
-        if all(r["batches_duplicated"] is not None for r in runs) else None,
-        "bit_identical": all(r["bit_identical"] for r in runs),
-        "restart_s_median": round(statistics.median(restarts), 2) if restarts else None,
-        "restart_s_max": round(max(restarts), 2) if restarts else None,
-        "supervisor_restart_s_median": driver.get("supervisor_restart_s_median"),
-        "wall_over_clean": round(ext_s / clean_s, 2), "internal_wall_over_clean": round(int_s / clean_s, 2),
-        "clean_s": round(clean_s, 1), "shm_residue": shm_new, "problems": ext["problems"] + internal["problems"],
-        "suite_s": round(time.monotonic() - t_all, 1), "runs": str(base),
+        "bench": "chaos", "seed": SEED, "jobs": [j["job"] for j in jobs],
+        "faults_injected": injected, "faults_survived": injected if ok else 0,
+        "faults_by_kind": dict(sorted(by_kind.items())),
+        "batches_lost": None if failed else sum(j["batches_lost"] or 0 for j in jobs),
+        "batches_duplicated": None if failed else sum(j["batches_duplicated"] or 0 for j in jobs),
+        "bit_identical": not failed and all(j["bit_identical"] for j in jobs),
+        "shm_residue": shm_new, "problems": [p for j in jobs for p in j.get("problems", [j.get("error")])],
+        "by_job": jobs, "suite_s": round(time.monotonic() - t_all, 1), "runs": str(base),
     }
     print(json.dumps(record), flush=True)
-    ok = (record["bit_identical"] and not record["problems"] and not shm_new and record["batches_lost"] == 0
-          and record["batches_duplicated"] == 0)
     return 0 if ok else 1
 
 

@@ -229,10 +229,13 @@ class TopologyConfig:
     over a gang of that many ranks (``runtime.supervisor``: one actor, restarted as
     one; ``docs/tensor-parallel.md``). ``--topology NxK-M`` sets it to K."""
     target_devices: Optional[tuple[str, ...]] = None
-    """None = cuda:0..N*K-1 when enough GPUs exist (a gang's ranks adjacent), else cpu;
-    given: one device per rank, target by target (N*K entries)."""
+    """None = cuda:0..N*K-1 when enough GPUs exist (a gang's ranks adjacent), else cpu
+    (``wiring.resolve_devices``; cpu too when only ``drafter_devices`` is given);
+    given: one device per rank, target by target (N*K entries). A gang's K entries are
+    all cpu or K distinct GPUs; separate actors may share a GPU."""
     drafter_devices: Optional[tuple[str, ...]] = None
-    """None = cuda:N..N+M-1 when enough GPUs exist, else cpu."""
+    """None = cuda:N*K..N*K+M-1 when enough GPUs exist, else cpu (cpu too when only
+    ``target_devices`` is given)."""
 
     def __post_init__(self):
         for name, n in (("target_devices", self.num_targets * self.target_tp),
@@ -243,6 +246,19 @@ class TopologyConfig:
             for d in devs or ():
                 if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
                     raise ConfigError(f"{name}: devices are 'cpu' or 'cuda:N' (got {d!r})")
+        k = self.target_tp
+        if self.target_devices is None or k == 1:
+            return
+        for i in range(self.num_targets):
+            gang = list(self.target_devices[i * k:(i + 1) * k])
+            # Each rank picks its backend from its own device (gloo on cpu, NCCL on cuda),
+            # so a mixed gang's ranks would never meet in one process group.
+            if "cpu" in gang and len(set(gang)) > 1:
+                raise ConfigError(f"target_devices: target {i}'s gang {gang} mixes cpu and cuda; a gang's "
+                                  "ranks are all cpu (gloo) or all on GPUs (NCCL)")
+            if "cpu" not in gang and len(set(gang)) < k:
+                raise ConfigError(f"target_devices: target {i}'s gang {gang} repeats a GPU; NCCL needs "
+                                  f"{k} distinct GPUs for its {k} ranks")
 
 
 @dataclass(frozen=True)
@@ -356,11 +372,7 @@ class Config:
                 f"drafter.block_size: must be <= data.max_seq_len={self.data.max_seq_len} "
                 f"(got {self.drafter.block_size})")
         if self.topology.target_tp > 1:
-            # A gang's ranks each load their own shard from the checkpoint, and only
-            # rank 0 writes features: neither the shared copy nor the cache knows ranks yet.
-            if self.target.share_weights == "on":
-                raise ConfigError("target.share_weights: on shares one unsplit copy, which tensor-parallel "
-                                  f"ranks cannot use (topology.target_tp={self.topology.target_tp}); use auto or off")
+            # Only a gang's rank 0 writes features: the cache does not know ranks yet.
             if self.target.feature_cache != "off":
                 raise ConfigError(f"target.feature_cache: not available with topology.target_tp="
                                   f"{self.topology.target_tp} yet (a gang computes every batch); use off")

@@ -25,10 +25,14 @@ never waited for; the cache outlives a target's restart.
 With ``topology.target_tp`` K > 1 a target actor is a gang of K processes
 (``runtime.dispatch.Stage.gang``): every rank joins the gang's process group, loads its
 shard (``models.tensor_parallel``) and runs every batch; rank 0 alone copies the batch
-over and writes the features, which are whole on every rank. At the job's first start
-of a gang its self-check compares rank 0's features with the unsplit model too, when
-that is small enough (``UNSPLIT_CHECK_BYTES``), and says which it did (event
-``self_check``). A dead or hung rank takes the gang with it.
+over and writes the features, which are whole on every rank. With ``target.share_weights``
+every rank slices its shard from the job's shared unsplit copy instead of the
+checkpoint's files (``models.shared_weights``). At the job's first start of a gang its
+self-check also compares the split layers with the checkpoint's own, rebuilt unsplit
+on rank 0 (``tensor_parallel.check_split``), at any size, and says so (event
+``self_check``). A dead or hung rank takes the gang with it. Fault points ``join``
+(before the gang's rendezvous) and ``load`` (before the weights are read or mapped)
+strike during start-up (their batch: how many batches the targets have featured).
 Under ``runtime.simulate`` the forward is a wait and the features a stamped tensor of
 the slot's width kept in device memory (``simulate``); every copy stays (the cache is
 refused there: there are no features to keep).
@@ -49,10 +53,6 @@ from ..train.feature_cache import FeatureCache
 from ..train.schedule import Schedule
 from ..train.simulate import SimulatedCompute, stamp, wait
 
-UNSPLIT_CHECK_BYTES = 4 * 2**30
-"""A gang's rank 0 checks against the unsplit model only up to this size: it loads and
-runs that model on the CPU, in the way of the job's first start."""
-
 
 class SelfCheckFailed(Escalate):
     """The features would be wrong on every restart: stop the job before training."""
@@ -70,13 +70,13 @@ class TargetSpec:
     """The target's weights in shared host memory (``target.share_weights``), or None:
     each actor reads the checkpoint."""
     unsplit_checked: Optional[torch.Tensor] = None
-    """Gangs: a shared int8 flag, 1 once a gang's features have matched the unsplit
-    model's in this job; later starts check against their own forward only."""
+    """Gangs: a shared int8 flag, 1 once a gang's split has matched the checkpoint's
+    unsplit layers in this job; later starts check against their own forward only."""
 
 
 class Target(Actor):
     spec: TargetSpec
-    FAULT_POINTS = (*Actor.FAULT_POINTS, "cache")
+    FAULT_POINTS = (*Actor.FAULT_POINTS, "cache", "join", "load")
     PRELOAD = ("dflash_actors.models.target",)
 
     def attach(self) -> None:
@@ -89,26 +89,29 @@ class Target(Actor):
             # Imported here: transformers costs seconds of every start, which a
             # simulated target (and its restarts) need not pay.
             from ..models.target import SelfCheckError, load_target, self_check
+            shared = self.spec.weights is not None
             if ctx.gang > 1:
                 from ..models import tensor_parallel
                 self.starting(f"join the gang of {ctx.gang} ranks")
+                self.fault_point("join", self.ledger.past(ctx.to_state))
                 tensor_parallel.join(ctx.rendezvous, ctx.rank, ctx.gang, self.device,
                                      self.spec.cfg.runtime.start_timeout_s)
-                self.starting("load target weights (this rank's shard)")
-            elif self.spec.weights is None:
-                self.starting("load target weights")
+                phase = "slice this rank's shard from shared weights" if shared else "load this rank's shard"
+            elif not shared:
+                phase = "load target weights"
             else:
-                self.starting("copy shared weights to device" if self.device.type == "cuda" else "map shared weights")
-            self.model = load_target(self.spec.cfg, self.device,
-                                     lambda done, total: self.starting("load target weights", done, total),
+                phase = "copy shared weights to device" if self.device.type == "cuda" else "map shared weights"
+            self.starting(phase)
+            self.fault_point("load", self.ledger.past(ctx.to_state))
+            self.model = load_target(self.spec.cfg, self.device, lambda done, total: self.starting(phase, done, total),
                                      weights=self.spec.weights, world=ctx.gang)
-            in_place = self.spec.weights is not None and self.device.type == "cpu"
+            in_place = shared and self.device.type == "cpu" and ctx.gang == 1
             if self.spec.cfg.target.self_check and not (in_place and self.spec.weights.checked.item()):
                 self.starting("self-check features")
                 try:
-                    self_check(self.model, reference=self._unsplit() if ctx.gang > 1 and ctx.rank == 0 else None)
-                    if ctx.gang > 1 and ctx.rank == 0 and self.spec.unsplit_checked is not None:
-                        self.spec.unsplit_checked.fill_(1)
+                    self_check(self.model)
+                    if ctx.gang > 1:
+                        self._check_split()
                 except SelfCheckError as e:
                     raise SelfCheckFailed(str(e)) from None
                 if in_place:
@@ -121,32 +124,24 @@ class Target(Actor):
         if self.spec.cache is not None and self.device.type == "cuda":
             self.spec.cache.pin()
 
-    def _unsplit(self):
-        """A gang's rank 0: the whole target on the CPU for the self-check, when it takes
-        at most ``UNSPLIT_CHECK_BYTES`` and ``SHARE_FRACTION`` of the host's available
-        memory, else None (the check is then against the split model's own forward); the
-        event ``self_check`` says which."""
-        import psutil
-
-        from ..models import shared_weights
-        from ..models.target import ensure_target, load_target, resolve_dtype
-        cfg = self.spec.cfg
-        if self.spec.unsplit_checked is not None and self.spec.unsplit_checked.item():
-            # The same checkpoint, split by the same code: the first start's match holds.
-            self.report("self_check", against="the split model's own forward",
-                        reason="a gang of this job matched the unsplit model at its first start")
-            return None
-        dtype = resolve_dtype(cfg.target.dtype, self.device)
-        need, free = shared_weights.weight_bytes(ensure_target(cfg), dtype), psutil.virtual_memory().available
-        if need > min(UNSPLIT_CHECK_BYTES, shared_weights.SHARE_FRACTION * free):
-            self.report("self_check", against="the split model's own forward",
-                        reason=f"the unsplit target needs {need / 2**30:.1f} GiB: more than a CPU check at every "
-                               f"start can afford ({UNSPLIT_CHECK_BYTES / 2**30:.0f} GiB) or "
-                               f"{shared_weights.SHARE_FRACTION:.0%} of the {free / 2**30:.1f} GiB available")
-            return None
-        self.report("self_check", against="the unsplit model and the split model's own forward",
-                    reason=f"the unsplit target ({need / 2**30:.2f} GiB) fits in host memory")
-        return load_target(cfg.updated({"target.dtype": str(dtype).removeprefix("torch.")}), "cpu")
+    def _check_split(self) -> None:
+        """A gang's check against the checkpoint's unsplit layers
+        (``tensor_parallel.check_split``), at the job's first start of a gang: later
+        starts split the same files with the same code (event ``self_check``)."""
+        from ..models import tensor_parallel
+        from ..models.target import ensure_target
+        flag = self.spec.unsplit_checked
+        if flag is not None and flag.item():
+            if self.ctx.rank == 0:
+                self.report("self_check", against="the split model's own forward",
+                            reason="a gang of this job matched the checkpoint's unsplit layers at its first start")
+            return
+        against = tensor_parallel.check_split(self.model, ensure_target(self.spec.cfg), self.ctx.rank)
+        if self.ctx.rank == 0:
+            self.report("self_check", against=f"{against} and the split model's own forward",
+                        reason="the first start of a gang in this job")
+            if flag is not None:
+                flag.fill_(1)
 
     def work(self, w) -> None:
         b = w.batch_id

@@ -59,7 +59,7 @@ from ..observe.status import JobStatus
 from ..runtime.channels import dtype_name
 from ..runtime.events import EventLog
 from ..runtime.forking import ForkServerStarter
-from ..runtime.supervisor import JobResult, JobState, Supervisor
+from ..runtime.supervisor import JobResult, JobState, Supervisor, strike_self
 from ..train import feature_cache
 from ..train.checkpoint import (
     MANIFEST,
@@ -191,6 +191,7 @@ class Job:
         self.target, self.schedule = self.pre.target, self.pre.schedule
         self.cache: Optional[feature_cache.FeatureCache] = None
         self.weights: Optional[shared_weights.SharedWeights] = None
+        self.share = self._share_decision()     # share_weights on that cannot fit: exit 2 now
         self.cache_plan = None
         if cfg.target.feature_cache != "off":
             with console.phase("plan the feature cache", progress):
@@ -233,25 +234,34 @@ class Job:
         """What the targets compute in (the first target's device decides auto)."""
         return resolve_dtype(self.cfg.target.dtype, torch.device(self.pre.devices.targets[0]))
 
+    def _share_decision(self) -> Optional[tuple[bool, str]]:
+        """Whether the targets will share their weights, and the line that says so
+        (``target.share_weights``; None under simulation: no target runs)."""
+        if self.cfg.runtime.simulate.enabled:
+            return None
+        from ..models.target import ensure_target
+
+        top = self.cfg.topology
+        return shared_weights.decide(self.cfg.target.share_weights,
+                                     shared_weights.weight_bytes(ensure_target(self.cfg), self._target_dtype()),
+                                     top.num_targets, ranks=top.target_tp)
+
     def _share_weights(self) -> None:
         """The target's weights in shared memory for the job's life, when
-        ``target.share_weights`` says so (none under simulation: no target runs)."""
-        if self.cfg.runtime.simulate.enabled:
+        ``_share_decision`` says so: every target maps them, every rank of a gang
+        slices its shard from them (``models.shared_weights``)."""
+        if self.share is None:
             return
         from ..models.target import ensure_target
 
-        dtype = self._target_dtype()
-        path = ensure_target(self.cfg)
-        tp = self.cfg.topology.target_tp
-        if tp > 1:      # the config refuses on: ranks load their own shards
-            share, line = False, (f"target weights: each of the {tp} ranks of a target reads its shard from disk "
-                                  f"(target_tp {tp}: share_weights applies to unsplit targets)")
-        else:
-            share, line = shared_weights.decide(self.cfg.target.share_weights,
-                                                shared_weights.weight_bytes(path, dtype), self.cfg.topology.num_targets)
+        share, line = self.share
         if share:
+            def midway():
+                with EventLog(self.run_dir / "events.log") as events:
+                    strike_self(self.cfg.runtime.faults, "share_weights",
+                                self.schedule.first_of_step(self.start.version), self.run_dir, events.log)
             with console.phase("read the target weights into shared memory", self.progress):
-                self.weights = shared_weights.share_target(path, dtype)
+                self.weights = shared_weights.share_target(ensure_target(self.cfg), self._target_dtype(), midway)
         if self.progress:
             console.say(line)
 
@@ -367,8 +377,9 @@ class Job:
             on_status = with_cache_status(on_status, self.cache)
         sup = Supervisor(cfg.runtime, stages, rings, sched.total_batches,
                          meta_cols=META_COLS, first_batch=sched.first_of_step(first),
-                         num_threads=cfg.train.num_threads, on_status=on_status, forkserver=self.forkserver)
-        monitor.watch(sup.work_times, stages)
+                         num_threads=cfg.train.num_threads, on_status=on_status, forkserver=self.forkserver,
+                         supervisor_points=wiring.SUPERVISOR_POINTS)
+        monitor.watch(sup.work_times, stages, sup.request_failure)
         if self.link is not None:
             sh = self.shared
             self.link.serve(sh.exchange, sh.grads, sh.batch_stats, sh.weights, sched, first, sup.request_failure)
@@ -376,7 +387,7 @@ class Job:
         if cfg.eval.every and first < sched.total_steps and self.node.rank == 0:
             from ..eval.evaluator import Evaluator
             evaluator = Evaluator(cfg, self.shared.weights, self.run_dir, first, sched.total_steps)
-            evaluator.start()
+            evaluator.start(sup.request_failure)
         try:
             return sup.run()
         finally:

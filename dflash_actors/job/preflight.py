@@ -33,7 +33,7 @@ from ..runtime.supervisor import check_faults
 from ..train import feature_cache, simulate
 from ..train.schedule import Schedule
 from . import rundir
-from .wiring import Devices, actor_classes, feature_device, gang_heads, resolve_devices
+from .wiring import SUPERVISOR_POINTS, Devices, actor_classes, feature_device, gang_heads, resolve_devices
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def preflight(cfg: Config, node: int = 0, progress: bool = True, data: Optional[
     ``check_data``, when the caller has it already (of this config, or of one that
     differs only in topology)."""
     data = data or check_data(cfg, progress)
-    check_faults(cfg.runtime.faults, actor_classes(cfg))
+    check_faults(cfg.runtime.faults, actor_classes(cfg), SUPERVISOR_POINTS)
     devices = resolve_devices(cfg)
     devices = Devices(devices.targets, devices.drafters,
                       feature_device(cfg.runtime.feature_transport, gang_heads(devices, cfg.topology.target_tp),

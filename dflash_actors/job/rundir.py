@@ -2,7 +2,10 @@
 
 ``check`` refuses a run directory that is a file or that cannot be written (a read-only
 mount, no write permission) before the minutes of loading that the first write would
-otherwise follow. ``resume_config`` says which config a ``--resume`` builds on.
+otherwise follow; so is one holding, where the job keeps a file it writes while it
+runs (``RUN_FILES``), something it cannot write: a directory, a dangling symlink into
+a missing directory, a file that cannot be opened for append (found without writing).
+``resume_config`` says which config a ``--resume`` builds on.
 
 ``RunDirLock`` is an exclusive ``flock`` on ``<run_dir>/.lock``, taken by the job's
 parent once its input is checked and held for the job's life: two jobs in one directory
@@ -21,6 +24,10 @@ from pathlib import Path
 
 LOCK_FILE = ".lock"
 SAVED_CONFIG = "config.yaml"
+RUN_FILES = {"events.log": "append", "metrics.jsonl": "append", "status.json": "rename"}
+"""The files written while the job runs, by how: appended to (``events.EventLog``, the
+monitor, the evaluator), or replaced by a rename (``files.write_atomically``), which
+only a directory at the path stops. One that fails mid-run stops the job."""
 
 
 class RunDirError(ValueError):
@@ -28,7 +35,8 @@ class RunDirError(ValueError):
 
 
 def check(run_dir: str | Path) -> None:
-    """Raise RunDirError unless ``run_dir`` is, or can be created as, a writable directory."""
+    """Raise RunDirError unless ``run_dir`` is, or can be created as, a writable directory
+    whose ``RUN_FILES`` can be written."""
     p = Path(run_dir)
     if p.exists() and not p.is_dir():
         raise RunDirError(f"runtime.run_dir: {p} is a file, not a directory")
@@ -40,6 +48,31 @@ def check(run_dir: str | Path) -> None:
     if not os.access(home, os.W_OK | os.X_OK):
         inside = "" if home == p else f" (to create {p} in)"
         raise RunDirError(f"runtime.run_dir: {home} is not writable{inside}")
+    for name, how in RUN_FILES.items():
+        why = _unwritable(p / name, how)
+        if why:
+            raise RunDirError(f"runtime.run_dir: cannot write {p / name} ({why}); "
+                              "move it away, or choose another --run-dir")
+
+
+def _unwritable(f: Path, how: str) -> str | None:
+    """Why the job could not write ``f`` ``how`` (``RUN_FILES``), or None if it can."""
+    if how == "rename":     # replaces a file or a symlink, whatever it points to
+        return "a directory" if f.is_dir() and not f.is_symlink() else None
+    if f.is_dir():
+        return "a directory"
+    if f.exists():
+        try:    # opens without writing; non-blocking, so that a FIFO refuses rather than hangs
+            os.close(os.open(f, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError as e:
+            return e.strerror
+    elif f.is_symlink():    # dangling: the first append creates its target
+        home = Path(os.path.realpath(f)).parent
+        if not home.is_dir():
+            return f"a symlink to {os.readlink(f)}, in a directory that does not exist"
+        if not os.access(home, os.W_OK | os.X_OK):
+            return f"a symlink to {os.readlink(f)}, in a directory that is not writable"
+    return None
 
 
 def resume_config(run_dir: str | Path, given: str | None) -> str | None:

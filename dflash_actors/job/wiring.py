@@ -30,7 +30,8 @@ tensor parallel over K devices; the rest of the job sees one actor.
 
 Placement (``resolve_devices``, ``feature_device``): the targets' ranks on
 cuda:0..N*K-1 (a gang's adjacent) and drafters on cuda:N*K..N*K+M-1 when that many GPUs
-exist, else the CPU; the feature ring on the first drafter's GPU when every actor that
+exist, else the CPU; but gangs on a machine with too few GPUs are refused rather than
+run on the CPU. The feature ring goes on the first drafter's GPU when every actor that
 touches it (drafters, the targets' rank 0) can reach it (``runtime.feature_transport``).
 """
 
@@ -53,6 +54,7 @@ from ..data.batching import ring_fields
 from ..models.shared_weights import SharedWeights
 from ..runtime.channels import RingSpec
 from ..runtime.dispatch import Stage, in_order
+from ..runtime.supervisor import SUPERVISOR_POINTS as RUNTIME_POINTS
 from ..train.feature_cache import FeatureCache
 from ..train.metrics import batch_table, step_table
 from ..train.params import GradAccumulators, ParamLayout, WeightStore
@@ -129,7 +131,9 @@ def feature_device(transport: str, targets: tuple[str, ...], drafters: tuple[str
 def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:
     """Default placement: cuda:0..N*K-1 for the targets' ranks (each gang of K on
     adjacent devices) then cuda:N*K..N*K+M-1 for drafters when that many GPUs exist,
-    else cpu everywhere. Explicit cuda:K beyond the count is an error."""
+    else cpu everywhere. Errors: gangs (K > 1) on a machine with some GPUs but too few
+    (a gang on the CPU is a test setup, not a fallback for a target that needs GPUs),
+    and explicit cuda:K beyond the count."""
     top = cfg.topology
     n, m = top.num_targets * top.target_tp, top.num_drafters
     if cuda_count is None:
@@ -137,6 +141,11 @@ def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:
     if top.target_devices is None and top.drafter_devices is None:
         if cuda_count >= n + m:
             return Devices(tuple(f"cuda:{i}" for i in range(n)), tuple(f"cuda:{n + j}" for j in range(m)))
+        if top.target_tp > 1 and cuda_count > 0:
+            raise ConfigError(f"topology.target_tp: {top.num_targets}x{top.target_tp}-{m} needs {n} target ranks + "
+                              f"{m} drafters = {n + m} GPUs, but this machine has {cuda_count}; use a smaller K "
+                              "or N (or fewer drafters), or place them with topology.target_devices and "
+                              "topology.drafter_devices")
         return Devices(("cpu",) * n, ("cpu",) * m)
     targets = top.target_devices or ("cpu",) * n
     drafters = top.drafter_devices or ("cpu",) * m
@@ -187,6 +196,11 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
               spec=OptimizerSpec(cfg, schedule, devices.drafters[0], first_step, s.weights, s.grads,
                                  s.batch_stats, s.step_stats, s.exchange)),
     ]
+
+
+SUPERVISOR_POINTS = (*RUNTIME_POINTS, "share_weights")
+"""Where ``runtime.faults`` can strike the supervisor's process: the runtime's points, and
+``share_weights``, halfway through reading the target's weights into shared memory."""
 
 
 def actor_classes(cfg: Config) -> dict[str, type]:

@@ -368,7 +368,12 @@ def build_drafter(cfg, target) -> DFlashDrafter:
     if not 0 <= mask_id < target.vocab_size:
         raise ValueError(f"drafter.mask_token_id: {mask_id} is outside the target's vocab of {target.vocab_size}")
     if cfg.drafter.init_from is not None:
-        d = DFlashDrafter.from_pretrained(cfg.drafter.init_from, target.device)
+        if not Path(cfg.drafter.init_from).exists():
+            raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} does not exist")
+        try:
+            d = DFlashDrafter.from_pretrained(cfg.drafter.init_from, target.device)
+        except ValueError as e:     # its message names the file; the key says where the path came from
+            raise ValueError(f"drafter.init_from: {e}") from None
         have = (d.target_layer_ids, d.block_size, d.mask_token_id, d.config.hidden_size)
         want = (target.layer_ids, cfg.drafter.block_size, mask_id, target.hidden_size)
         if have != want:

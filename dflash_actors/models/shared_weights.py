@@ -19,12 +19,25 @@ on the model the actor built, so a packing mistake stops the job before training
 CPU every target computes on the very bytes the first one checked, with the code of
 the same fork server: a restart there records nothing new by checking them again, so
 it does not (``checked``); a GPU copy, like a read from disk, is checked each time.
+
+A tensor-parallel gang (``topology.target_tp`` K > 1) uses the same unsplit copy: each
+rank hands it to transformers' loader as the state dict (``tensor_parallel.load_shard``),
+which slices out the rank's shard exactly as it would from the checkpoint's files, so
+a restarted rank copies its shard from memory instead of reading and parsing the
+checkpoint. One copy in all, however many ranks: per-rank shard buffers would add up
+to the same bytes plus every replicated tensor K times.
+
+Where the bytes live: torch's shared memory is a file in ``/dev/shm`` (unlinked at
+once), so it is bounded by that mount's size, not by the host's RAM: 64 MB in a
+default container. ``decide`` counts the smaller of the two.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import psutil
 import torch
@@ -38,7 +51,10 @@ PAGE = 4096
 
 SHARE_FRACTION = 0.5
 """``share_weights: auto`` shares when the weights take at most this much of the host's
-available memory (the rest stays for the rings, the cache and the actors)."""
+available memory and of ``/dev/shm``'s free space (the rest stays for the rings, the
+cache and the actors)."""
+
+SHM = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,9 @@ class SharedWeights:
     entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
     checked: torch.Tensor
     """One shared flag: a target computing on ``flat`` in place passed its self-check."""
+    state: frozenset[str] = frozenset()
+    """The names the model's ``state_dict`` holds (not its non-persistent buffers):
+    what a loader given ``tensors(state_only=True)`` expects."""
 
     @property
     def nbytes(self) -> int:
@@ -61,11 +80,14 @@ class SharedWeights:
         which would otherwise fall on the first batch after a restart."""
         self.flat[::PAGE].sum()
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Name -> a view of the shared bytes (tied names get the very same view)."""
+    def tensors(self, state_only: bool = False) -> dict[str, torch.Tensor]:
+        """Name -> a view of the shared bytes (tied names get the very same view);
+        ``state_only``: the state dict's names alone."""
         views: dict[int, torch.Tensor] = {}
         out = {}
         for name, dtype, shape, offset in self.entries:
+            if state_only and name not in self.state:
+                continue
             if offset not in views:
                 dt = getattr(torch, dtype)
                 n = _numel(shape) * dt.itemsize
@@ -85,10 +107,12 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
 
 
-def pack(model: nn.Module) -> SharedWeights:
+def pack(model: nn.Module, midway: Optional[Callable[[], None]] = None) -> SharedWeights:
     """Every parameter and buffer of ``model`` copied into one shared buffer; each source
-    tensor is emptied once copied, so the peak stays near one model's size."""
+    tensor is emptied once copied, so the peak stays near one model's size. ``midway()``
+    runs once half the tensors are in (a fault point: ``runtime.faults``)."""
     named = _named_tensors(model)
+    state = frozenset(model.state_dict())
     offsets: dict[int, int] = {}
     entries, total, order = [], 0, []
     for name, t in named:
@@ -100,19 +124,21 @@ def pack(model: nn.Module) -> SharedWeights:
         entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offsets[key]))
     flat = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
     with torch.no_grad():
-        for t, off in order:
+        for k, (t, off) in enumerate(order):
+            if midway is not None and k == len(order) // 2:
+                midway()
             n = t.numel() * t.element_size()
             flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
             t.data = torch.empty(0, dtype=t.dtype)
-    return SharedWeights(flat, tuple(entries), torch.zeros(1, dtype=torch.int8).share_memory_())
+    return SharedWeights(flat, tuple(entries), torch.zeros(1, dtype=torch.int8).share_memory_(), state)
 
 
-def share_target(path: Path, dtype: torch.dtype) -> SharedWeights:
-    """Load the target at ``path`` once on the CPU in ``dtype`` and pack it."""
+def share_target(path: Path, dtype: torch.dtype, midway: Optional[Callable[[], None]] = None) -> SharedWeights:
+    """Load the target at ``path`` once on the CPU in ``dtype`` and pack it (``pack``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    return pack(model)
+    return pack(model, midway)
 
 
 def build_on(path: Path, weights: SharedWeights, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -167,16 +193,37 @@ def _size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
-def decide(setting: str, nbytes: int, targets: int, available: int | None = None) -> tuple[bool, str]:
-    """Whether to share (``target.share_weights``) and the one line that says so;
-    ``available``: host memory free for it (None: psutil's figure now)."""
+def shm_free() -> Optional[int]:
+    """Bytes free in ``/dev/shm``, where torch's shared memory lives (None without one)."""
+    try:
+        st = os.statvfs(SHM)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def decide(setting: str, nbytes: int, targets: int, available: int | None = None,
+           shm: int | None = None, ranks: int = 1) -> tuple[bool, str]:
+    """Whether to share (``target.share_weights``) and the one line that says so.
+    ``available``: host memory free for it, ``shm``: ``/dev/shm``'s free bytes (None:
+    their figures now); ``ranks``: processes per target (``topology.target_tp``).
+    ``on`` that cannot fit in ``/dev/shm`` is a ConfigError: the write would die of
+    SIGBUS halfway."""
     free = psutil.virtual_memory().available if available is None else available
+    shm = shm_free() if shm is None else shm
     size = _size(nbytes)
+    each = f"each of the {ranks} ranks of each target reads its shard" if ranks > 1 else "each target reads them"
     if setting == "off":
-        return False, f"target weights: {size} read from disk by each of {targets} target(s) (share_weights off)"
-    if setting == "auto" and nbytes > SHARE_FRACTION * free:
-        return False, (f"target weights: {size} read from disk by each target (share_weights auto: more than "
-                       f"{SHARE_FRACTION:.0%} of the {_size(free)} of host memory available)")
-    how = "share_weights on" if setting == "on" else f"share_weights auto: {_size(free)} available"
-    return True, (f"target weights: {size} read once into shared memory for {targets} target(s) and their "
-                  f"restarts ({how})")
+        return False, f"target weights: {size}; {each} from disk, at every start (share_weights off)"
+    room = f"{_size(free)} of host memory available, {_size(shm)} free in {SHM}" if shm is not None \
+        else f"{_size(free)} of host memory available"
+    if setting == "on" and shm is not None and nbytes > shm:
+        from ..config import ConfigError
+        raise ConfigError(f"target.share_weights: on needs {size} in {SHM}, which has {_size(shm)} free; use auto "
+                          "or off, or give it room (docker run --shm-size)")
+    if setting == "auto" and nbytes > SHARE_FRACTION * min(free, shm if shm is not None else free):
+        return False, (f"target weights: {size}; {each} from disk, at every start (share_weights auto: more than "
+                       f"{SHARE_FRACTION:.0%} of {room})")
+    how = "share_weights on" if setting == "on" else f"share_weights auto: {room}"
+    use = (f"whose {ranks} ranks each slice their shard from it" if ranks > 1 else "and their restarts")
+    return True, f"target weights: {size} read once into shared memory for {targets} target(s) {use} ({how})"

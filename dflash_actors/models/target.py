@@ -144,12 +144,12 @@ SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16
 
 
 @torch.no_grad()
-def self_check(target: TargetModel, length: int = 16, seed: int = 0, reference: TargetModel | None = None) -> None:
+def self_check(target: TargetModel, length: int = 16, seed: int = 0) -> None:
     """Raise ``SelfCheckError`` unless ``target.features`` of a packed two-sequence batch
     equals, per sequence and per layer, the model's own forward with
-    ``output_hidden_states`` at ``hidden_states[L + 1]`` (layer id L's output); and,
-    given a ``reference`` (the unsplit model of a tensor-parallel ``target``, on this
-    process alone), that model's own forward as well.
+    ``output_hidden_states`` at ``hidden_states[L + 1]`` (layer id L's output). (A
+    tensor-parallel target is also checked against its checkpoint:
+    ``tensor_parallel.check_split``.)
 
     This is what a wrong layer mapping, a leak between packed sequences, position ids
     that do not restart, or a model-specific forward the wrapper bypasses would break;
@@ -169,11 +169,9 @@ def self_check(target: TargetModel, length: int = 16, seed: int = 0, reference: 
                   torch.ones(sum(lens), dtype=torch.int8),
                   torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32), max(lens))
     got = target.features(batch).float().split(lens)
-    refs = [("the model's own forward", target)] + ([("the unsplit model", reference)] if reference else [])
-    for what, model in refs:
-        _, want = model.logits_and_hidden(text[None].to(model.device), target.feature_ids)
-        _compare(got, want[0].float().to(got[0].device), target, what,
-                 max(SELF_CHECK_TOLERANCE.get(target.dtype, 3e-2), SELF_CHECK_TOLERANCE.get(model.dtype, 3e-2)))
+    _, want = target.logits_and_hidden(text[None].to(target.device), target.feature_ids)
+    _compare(got, want[0].float().to(got[0].device), target, "the model's own forward",
+             SELF_CHECK_TOLERANCE.get(target.dtype, 3e-2))
 
 
 def _compare(got: tuple[torch.Tensor, ...], want: torch.Tensor, target: TargetModel, what: str, tol: float) -> None:
@@ -225,23 +223,23 @@ def load_target(cfg, device: str | torch.device = "cpu",
     (``shared_weights.SharedWeights``, ``target.share_weights``) nothing is read from
     disk but the config: the model computes on the shared memory, or a device copy of it.
     ``world`` > 1: this rank's shard of a tensor-parallel gang whose process group this
-    process has joined (``tensor_parallel``).
+    process has joined (``tensor_parallel``), sliced from ``weights`` when given.
     """
     device = torch.device(device)
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
-    if weights is not None:
-        from .shared_weights import build_on
-
-        model = build_on(path, weights, device, dtype)
-    elif world > 1:
+    if world > 1:
         from . import tensor_parallel
 
         with weight_progress(progress):
-            model = tensor_parallel.load_shard(path, dtype, world)
+            model = tensor_parallel.load_shard(path, dtype, world, device, weights)
         if not tensor_parallel.is_sharded(model):
             raise ValueError(f"topology.target_tp: transformers loaded {path} whole on every rank instead of "
                              f"split {world} ways")
+    elif weights is not None:
+        from .shared_weights import build_on
+
+        model = build_on(path, weights, device, dtype)
     else:
         try:
             with weight_progress(progress):

@@ -9,13 +9,19 @@ Two tools:
   ``launch.py --chaos SEED`` uses it. Faults never change the math (``nan`` is left
   out), so a chaos run must end bit-identical to a clean one.
 * ``launch.py chaos RUN_DIR --kills N --seed S -- LAUNCH_ARGS`` starts
-  ``launch.py --run-dir RUN_DIR LAUNCH_ARGS`` and, at random moments, ``kill -9``s real
-  pids read from ``status.json``: actors (a random rank of a gang; each must come back), the supervisor itself
-  (``--supervisor-kills``: its actors must be gone within a second, then the driver
-  resumes the run with ``--resume``), and ``--stop-cont`` times it ``SIGSTOP``s a
-  healthy actor for half of ``runtime.hang_timeout_s`` and continues it (it must not be
-  restarted). When the run ends it prints one JSON line: what it did, restart times,
-  and what it found wrong (orphans, a restarted stopped actor, the exit status).
+  ``launch.py --run-dir RUN_DIR LAUNCH_ARGS`` and, at random moments, strikes real pids
+  read from ``status.json``: ``kill -9`` of actors (of a gang, its leader and a follower
+  in turn; each must come back), of the supervisor itself (``--supervisor-kills``: its
+  actors must be gone within a second, then the driver resumes the run with
+  ``--resume``), of the fork server (``--forkserver-kills``) or its SIGSTOP followed by
+  an actor's kill, which needs a fork (``--forkserver-stops``): a new server must take
+  over; and ``--stop-cont`` times it ``SIGSTOP``s a healthy actor for half of
+  ``runtime.hang_timeout_s`` and continues it (it must not be restarted). A supervisor
+  that ``runtime.faults`` kills from inside (``actor: supervisor``) is resumed too.
+  Every process of the job it has seen must be gone within a second of its
+  supervisor's death and at the end. When the run ends it prints one JSON line: what
+  it did, by kind, restart times, and what it found wrong (orphans, a restarted
+  stopped actor, the exit status).
 
 Whether the run trained what a clean run trains is for the caller to check against
 the final checkpoint (``benchmarks/chaos_suite.py``, ``make chaos``).
@@ -24,6 +30,7 @@ the final checkpoint (``benchmarks/chaos_suite.py``, ``make chaos``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -38,6 +45,9 @@ from ..observe.status import read_or_none
 
 LAUNCH = Path(__file__).resolve().parents[2] / "launch.py"
 ENDING_KINDS = ("sigkill", "exit", "exception", "segfault", "slow", "hang")
+KINDS = ("kills", "leader_kills", "follower_kills", "supervisor_kills", "supervisor_faults", "forkserver_kills",
+         "forkserver_stops", "stop_cont")
+"""What the driver counts, by kind (a stop-cont is not a fault: nothing may restart)."""
 HANG_AFFORDABLE_S = 20.0
 """A hang costs ``hang_timeout_s`` of a stalled stage: chaos only injects one when cheap."""
 
@@ -100,14 +110,21 @@ def restart_times(run_dir: Path) -> list[float]:
 
 
 class Driver:
+    """Runs one job under external strikes (module docstring), resuming it after every
+    death of its supervisor, and keeps every process of the job it has seen
+    (``status.json``: actors, gang ranks, the fork server) to check none outlives it."""
+
     def __init__(self, run_dir: Path, launch_args: list[str], seed: int, quiet: bool):
         self.run_dir, self.launch_args, self.rng = run_dir, launch_args, random.Random(seed)
         self.proc: subprocess.Popen | None = None
         self.log = open(run_dir.parent / f"{run_dir.name}.chaos.log", "a") if quiet else None
         self.supervisor_restart_s: list[float] = []
         self.problems: list[str] = []
-        self.done = {"kills": 0, "supervisor_kills": 0, "stop_cont": 0}
+        self.done = {kind: 0 for kind in KINDS}
         self.launches = 0
+        self.seen: dict[int, float] = {}
+        """pid -> create time of every process of the job seen so far (pid reuse safe)."""
+        self.follower_next = False
 
     def launch(self, resume: bool) -> None:
         where = ["--resume", str(self.run_dir)] if resume else ["--run-dir", str(self.run_dir)]
@@ -117,7 +134,55 @@ class Driver:
         self.launches += 1
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """Whether the job runs; a supervisor that struck itself (``runtime.faults``
+        aimed at it) is counted, checked for orphans and resumed here."""
+        if self.proc is None:
+            return False
+        if self.proc.poll() is None:
+            return True
+        struck = self._self_struck()
+        if self.proc.returncode == -signal.SIGKILL and struck > self.done["supervisor_faults"]:
+            self.done["supervisor_faults"] = struck
+            self._check_gone("the supervisor struck by runtime.faults")
+            self.launch(resume=True)
+            return True
+        return False
+
+    def _self_struck(self) -> int:
+        path = self.run_dir / "events.log"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        return sum(1 for x in lines if '"event": "fault"' in x and '"actor": "supervisor"' in x)
+
+    def _track(self, st: dict) -> None:
+        import psutil
+        pids = [st.get("forkserver_pid")] + [p for a in st["actors"].values() for p in a.get("ranks") or [a["pid"]]]
+        for pid in pids:
+            if pid and pid not in self.seen:
+                try:
+                    self.seen[pid] = psutil.Process(pid).create_time()
+                except psutil.Error:
+                    pass
+
+    def outlived(self) -> list[int]:
+        """Processes of the job seen alive once that still run."""
+        import psutil
+        left = []
+        for pid, born in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == born and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.Error:
+                pass
+        return left
+
+    def _check_gone(self, what: str) -> None:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and self.outlived():
+            time.sleep(0.02)
+        left = self.outlived()
+        if left:
+            self.problems.append(f"processes {left} outlived {what} by more than 1 s")
 
     def up(self, every: bool, timeout: float = 300.0) -> dict | None:
         """The live supervisor's status once ``every`` actor (else at least one) is idle
@@ -126,6 +191,7 @@ class Driver:
         while time.monotonic() < end and self.running():
             st = read_or_none(self.run_dir)
             if st and st.get("supervisor_pid") == self.proc.pid and st["state"] == "running":
+                self._track(st)
                 states = [a["state"] in ("idle", "working") for a in st["actors"].values()]
                 if all(states) if every else any(states):
                     return st
@@ -137,37 +203,65 @@ class Driver:
         (restart times come from events.log: death to the replacement's Ready)."""
         live = sorted(k for k, a in st["actors"].items() if a["state"] in ("idle", "working"))
         victim = self.rng.choice(live)
+        pid, kind = self._pid(st["actors"][victim])
         try:
-            os.kill(self._pid(st["actors"][victim]), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return False    # died meanwhile
-        self.done["kills"] += 1
+        self.done[kind] += 1
         return True
 
-    def _pid(self, actor: dict) -> int:
-        """The actor's pid; for a gang (``ranks``), a random rank's: any rank takes the gang down."""
+    def _pid(self, actor: dict) -> tuple[int, str]:
+        """The actor's pid and the kind of kill; for a gang (``ranks``) its leader and a
+        follower in turn: any rank takes the gang down, and both paths must hold."""
         ranks = actor.get("ranks") or [actor["pid"]]
-        return self.rng.choice(ranks) if len(ranks) > 1 else ranks[0]
+        if len(ranks) == 1:
+            return ranks[0], "kills"
+        self.follower_next = not self.follower_next
+        return (self.rng.choice(ranks[1:]), "follower_kills") if self.follower_next else (ranks[0], "leader_kills")
 
     def kill_supervisor(self) -> None:
-        kids = _children(self.proc.pid)
         t0 = time.monotonic()
         self.proc.kill()
         self.proc.wait()
         self.done["supervisor_kills"] += 1
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end and any(_alive(p) for p in kids):
-            time.sleep(0.02)
-        left = [p for p in kids if _alive(p)]
-        if left:
-            self.problems.append(f"processes {left} outlived the killed supervisor by more than 1 s")
+        self._check_gone("the killed supervisor")
         self.launch(resume=True)
         if self.up(every=True) is not None:
             self.supervisor_restart_s.append(time.monotonic() - t0)
 
+    def strike_forkserver(self, st: dict, stop: bool) -> bool:
+        """kill -9 of the fork server, or SIGSTOP of it and a kill -9 of an actor (so
+        that the stopped server is asked to fork): either way a new server must serve
+        every actor again. False if there is no server (spawn) or it vanished."""
+        old = st.get("forkserver_pid")
+        if not old:
+            return False
+        try:
+            os.kill(old, signal.SIGSTOP if stop else signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        if stop:
+            time.sleep(0.2)
+            self.kill_actor(st)
+        self.done["forkserver_stops" if stop else "forkserver_kills"] += 1
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            now = self.up(every=True, timeout=5.0)
+            if now is not None and now.get("forkserver_pid") not in (old,):
+                break
+            if not self.running():
+                break
+        else:
+            self.problems.append(f"no new fork server took over from pid {old} within 120 s")
+        if stop:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old, signal.SIGCONT)
+        return True
+
     def stop_cont(self, st: dict, hang_timeout_s: float) -> None:
         victim = self.rng.choice(sorted(st["actors"]))
-        pid = self._pid(st["actors"][victim])
+        pid, _ = self._pid(st["actors"][victim])
         os.kill(pid, signal.SIGSTOP)
         time.sleep(hang_timeout_s / 2)
         os.kill(pid, signal.SIGCONT)
@@ -192,6 +286,9 @@ class Driver:
             elif what == "supervisor":
                 self.kill_supervisor()
                 return True
+            elif what in ("forkserver", "forkserver_stop"):
+                if self.strike_forkserver(st, stop=what == "forkserver_stop"):
+                    return True
             else:
                 import yaml
                 config = yaml.safe_load((self.run_dir / "config.yaml").read_text())
@@ -199,51 +296,60 @@ class Driver:
                 return True
         return False
 
-    def run(self, kills: int, supervisor_kills: int, stops: int, mean_gap_s: float) -> dict:
+    def run(self, plan_counts: dict[str, int], mean_gap_s: float) -> dict:
         t0 = time.monotonic()
-        plan = ["kill"] * kills + ["supervisor"] * supervisor_kills + ["stop"] * stops
+        plan = [what for what, n in plan_counts.items() for _ in range(n)]
         self.rng.shuffle(plan)
         self.launch(resume=False)
         for i, what in enumerate(plan):
             if not self._event(what, mean_gap_s):
                 self.problems.append(f"the run ended before event {i + 1} of {len(plan)} ({what})")
                 break
-        code = self.proc.wait() if self.proc else None
+        while self.running():
+            time.sleep(0.1)
+        code = self.proc.returncode if self.proc else None
         if code != 0:
             self.problems.append(f"launch.py exited {code}")
+        self._check_gone("the end of the run")
         restarts = restart_times(self.run_dir)
-        return {"kills": self.done["kills"], "supervisor_kills": self.done["supervisor_kills"],
-                "stop_cont": self.done["stop_cont"], "launches": self.launches, "exit_code": code,
-                "restarts": len(restarts),
+        return {**self.done, "faults": sum(self.done[k] for k in KINDS if k != "stop_cont"),
+                "launches": self.launches, "exit_code": code, "restarts": len(restarts),
                 "restart_s_median": round(statistics.median(restarts), 2) if restarts else None,
                 "restart_s_max": round(max(restarts), 2) if restarts else None,
                 "supervisor_restart_s_median": (round(statistics.median(self.supervisor_restart_s), 2)
                                                 if self.supervisor_restart_s else None),
-                "wall_s": round(time.monotonic() - t0, 1), "problems": self.problems}
+                "processes_seen": len(self.seen), "wall_s": round(time.monotonic() - t0, 1),
+                "problems": self.problems}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="launch.py chaos", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--kills", type=int, default=10, help="kill -9 of random actors")
+    ap.add_argument("--kills", type=int, default=10,
+                    help="kill -9 of random actors (of a gang: its leader and a follower in turn)")
     ap.add_argument("--supervisor-kills", type=int, default=0, help="kill -9 of the supervisor, then --resume")
+    ap.add_argument("--forkserver-kills", type=int, default=0, help="kill -9 of the fork server")
+    ap.add_argument("--forkserver-stops", type=int, default=0,
+                    help="SIGSTOP of the fork server, then kill -9 of an actor (which needs a fork)")
     ap.add_argument("--stop-cont", type=int, default=0, help="SIGSTOP then SIGCONT within hang_timeout_s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mean-gap-s", type=float, default=1.0, help="mean wait before each event")
     ap.add_argument("--quiet", action="store_true", help="send launch.py's output to RUN_DIR.chaos.log")
-    ap.epilog = "Everything after -- goes to launch.py (e.g. -- --topology 2-2 --set train.epochs=20)."
+    ap.epilog = ("Everything after -- goes to launch.py (e.g. -- --topology 2-2 --set train.epochs=20). "
+                 "runtime.faults aimed at the supervisor kill it from inside; the driver resumes it.")
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args, launch_args = ap.parse_args(argv[:cut]), argv[cut + 1:]
-    if min(args.kills, args.supervisor_kills, args.stop_cont) < 0:
+    counts = {"kill": args.kills, "supervisor": args.supervisor_kills, "forkserver": args.forkserver_kills,
+              "forkserver_stop": args.forkserver_stops, "stop": args.stop_cont}
+    if min(counts.values()) < 0:
         print("error: counts must be >= 0", file=sys.stderr)
         return 2
     if args.run_dir.exists():
         print(f"error: {args.run_dir} exists; chaos starts a new run", file=sys.stderr)
         return 2
     args.run_dir.parent.mkdir(parents=True, exist_ok=True)
-    out = Driver(args.run_dir, launch_args, args.seed, args.quiet).run(
-        args.kills, args.supervisor_kills, args.stop_cont, args.mean_gap_s)
+    out = Driver(args.run_dir, launch_args, args.seed, args.quiet).run(counts, args.mean_gap_s)
     print(json.dumps(out), flush=True)
     return 0 if not out["problems"] else 1
 

@@ -3,8 +3,12 @@
 one), before anything spawns; the run directory is not written and no input file is
 changed. ``test_launch_errors`` holds the first cases; these are the rest."""
 
+import contextlib
 import hashlib
 import json
+import os
+import shutil
+import subprocess
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +18,7 @@ import torch
 import launch
 from dflash_actors.config import dump_config, load_config
 from dflash_actors.data.synthetic import flatten, write_token_dataset
+from dflash_actors.job import rundir
 from dflash_actors.models.drafter import build_drafter
 from dflash_actors.models.head import load_head
 from dflash_actors.train.checkpoint import save_checkpoint
@@ -188,6 +193,10 @@ CASES = {
                                      ["topology.drafter_devices", "cuda:{cuda}"]),
     "--run-dir and --resume differ": (["--resume", "{d}/elsewhere"], ["--run-dir and --resume"]),
     "missing target directory": (["--set", "target.path={d}/no_target"], ["target.path", "{d}/no_target"]),
+    "missing drafter.init_from": (["--set", "drafter.init_from={d}/no_drafter"],
+                                  ["drafter.init_from: {d}/no_drafter does not exist"]),
+    "drafter.init_from not a drafter": (["--set", "drafter.init_from={d}/no_files"],
+                                        ["drafter.init_from: {d}/no_files: not a drafter directory"]),
     "empty target path": (["--set", "target.path=''"], ["target.path", "must not be empty"]),
     "target vocabulary smaller than the data": (["--set", "target.path={d}/small_vocab"],
                                                 ["data-00000-of-00001.arrow: row ", "outside [0, 64)"]),
@@ -250,6 +259,82 @@ def test_resume_that_changes_the_math_is_refused(resumable, inputs, cache_dir, c
     # The run-directory lock (rundir.RunDirLock) is the one file a refused job may leave.
     after.pop(".lock", None)
     assert after == before
+
+
+def entries(root) -> dict:
+    """Every entry under ``root``, symlinks and directories included, with what it is."""
+    return {str(p.relative_to(root)): ("link", os.readlink(p)) if p.is_symlink() else
+            ("dir",) if p.is_dir() else ("file", hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*"))}
+
+
+@contextlib.contextmanager
+def unwritable(path):
+    """``path``, a file, refusing writes: no write permission, or for root (whom
+    permissions do not stop) the immutable attribute."""
+    if os.geteuid() != 0:
+        path.chmod(0o444)
+        yield "Permission denied"
+        return
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("running as root without chattr +i: no way to make a file unwritable")
+    try:
+        yield "Operation not permitted"
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+REFUSED = [("events.log", "directory"), ("events.log", "dangling symlink"), ("events.log", "unwritable file"),
+           ("metrics.jsonl", "directory"), ("metrics.jsonl", "dangling symlink"), ("metrics.jsonl", "unwritable file"),
+           ("status.json", "directory")]
+
+
+@pytest.mark.parametrize("name,kind", REFUSED)
+def test_a_run_file_that_cannot_be_written_exits_2_writing_nothing(name, kind, inputs, cache_dir, tmp_path, capsys):
+    """A run directory (of a job stopped before its first checkpoint: --run-dir takes it)
+    in which a file the job writes while it runs is in the way. status.json is replaced
+    by a rename, which only a directory at its path stops."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    f = run_dir / name
+    with contextlib.ExitStack() as stack:
+        if kind == "directory":
+            f.mkdir()
+            why = "a directory"
+        elif kind == "dangling symlink":
+            f.symlink_to(tmp_path / "gone" / name)
+            why = f"a symlink to {tmp_path / 'gone' / name}, in a directory that does not exist"
+        else:
+            f.write_text("{}\n")
+            why = stack.enter_context(unwritable(f))
+        before = entries(run_dir)
+        line = launch_bad(["--run-dir", str(run_dir)], inputs, cache_dir, capsys)
+        assert line == (f"error: runtime.run_dir: cannot write {f} ({why}); "
+                        "move it away, or choose another --run-dir"), line
+        assert entries(run_dir) == before
+    assert not (tmp_path / "gone").exists()
+
+
+def test_run_files_a_rename_or_an_append_can_write_are_accepted(tmp_path):
+    """The check refuses only what would fail: a dangling status.json (the rename
+    replaces the link), an events.log linking into an existing directory (the first
+    append creates the file there). Checking creates nothing."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "status.json").symlink_to(tmp_path / "gone" / "status.json")
+    (tmp_path / "events.log").symlink_to(tmp_path / "elsewhere" / "events.log")
+    (tmp_path / "metrics.jsonl").write_text("")
+    rundir.check(tmp_path)
+    assert not (tmp_path / "gone").exists() and list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_resume_of_a_run_whose_events_log_is_a_directory_exits_2(resumable, inputs, cache_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(resumable, run_dir)
+    (run_dir / "events.log").mkdir()
+    before = entries(run_dir)
+    line = launch_bad(["--resume", str(run_dir)], inputs, cache_dir, capsys)
+    assert line.startswith(f"error: runtime.run_dir: cannot write {run_dir / 'events.log'} (a directory)"), line
+    assert entries(run_dir) == before
 
 
 def test_corpus_is_not_vacuous(inputs):

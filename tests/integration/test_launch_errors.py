@@ -68,10 +68,12 @@ CASES = {
                                     "topology.target_tp: 3 does not divide the target's num_attention_heads (4)"),
     "gang not dividing the kv heads": (["--topology", "1x4-1"],
                                        "topology.target_tp: 4 does not divide the target's num_key_value_heads (2)"),
-    "gang sharing unsplit weights": (["--topology", "1x2-1", "--set", "target.share_weights=on"],
-                                     "target.share_weights: on shares one unsplit copy"),
     "gang devices": (["--topology", "1x2-1", "--set", "topology.target_devices=[cpu]"],
                      "target_devices: needs 2 entries"),
+    "gang mixing cpu and cuda": (["--topology", "1x2-1", "--set", "topology.target_devices=[cuda:0,cpu]"],
+                                 "topology.target_devices: target 0's gang ['cuda:0', 'cpu'] mixes cpu and cuda"),
+    "gang repeating a GPU": (["--topology", "1x2-1", "--set", "topology.target_devices=[cuda:0,cuda:0]"],
+                             "topology.target_devices: target 0's gang ['cuda:0', 'cuda:0'] repeats a GPU"),
     "auto with a gang": (["--topology", "auto", "--set", "topology.target_tp=2"],
                          "--topology auto: measures the target whole on one device"),
     "gang of no devices": (["--topology", "1x0-1"], "topology: a target spans at least one device"),
@@ -91,6 +93,23 @@ def test_bad_input_exits_2_and_writes_nothing(case, tmp_path, cache_dir, other_d
     assert launch.main(common + argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert not run_dir.exists()
+
+
+def test_gang_on_too_few_gpus_exits_2(tmp_path, cache_dir, capsys, monkeypatch):
+    """A machine with 3 GPUs (as torch reports it here) refuses 1x2-2, which needs 4,
+    rather than running the gang on the CPU."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    run_dir = tmp_path / "run"
+    argv = ["--run-dir", str(run_dir), "--topology", "1x2-2", "--set", f"data.cache_dir={cache_dir}"]
+    for kv in SMALL:
+        argv += ["--set", kv]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: topology.target_tp: 1x2-2 needs 2 target ranks + "
+                                               "2 drafters = 4 GPUs, but this machine has 3;"), err
     assert not run_dir.exists()
 
 

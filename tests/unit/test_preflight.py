@@ -34,7 +34,46 @@ def test_gangs_take_adjacent_gpus_and_drafters_the_rest():
     d = resolve_devices(cfg, cuda_count=10)
     assert d.targets == tuple(f"cuda:{i}" for i in range(8)) and d.drafters == ("cuda:8", "cuda:9")
     assert gang_heads(d, 4) == ("cuda:0", "cuda:4")
-    assert resolve_devices(cfg, cuda_count=9).targets == ("cpu",) * 8     # too few GPUs: the CPU
+    with pytest.raises(ConfigError, match=r"^topology.target_tp: 2x4-2 needs 8 target ranks \+ 2 drafters = "
+                                          r"10 GPUs, but this machine has 9; use a smaller K"):
+        resolve_devices(cfg, cuda_count=9)
+
+
+def placement(topology, *sets, cuda_count):
+    from dflash_actors.config import load_config
+    from dflash_actors.job.wiring import resolve_devices
+    from tests.support.pipeline import ROOT
+
+    return resolve_devices(load_config(ROOT / "configs/default.yaml", list(sets), topology=topology),
+                           cuda_count=cuda_count)
+
+
+def test_a_gang_on_too_few_gpus_is_refused_but_runs_on_a_cpu_only_host():
+    for topology, gpus in (("1x4-4", 6), ("2x4-2", 8), ("1x2-1", 1)):
+        with pytest.raises(ConfigError, match=rf"^topology.target_tp: {topology} needs .* this machine has {gpus};"):
+            placement(topology, cuda_count=gpus)
+    d = placement("1x2-1", cuda_count=3)
+    assert d.targets == ("cuda:0", "cuda:1") and d.drafters == ("cuda:2",)
+    d = placement("1x2-1", cuda_count=0)                        # gloo on the CPU: how the CPU tests run gangs
+    assert d.targets == ("cpu", "cpu") and d.drafters == ("cpu",)
+    assert placement("2-2", cuda_count=3).targets == ("cpu", "cpu")   # no gang: the CPU, as before
+
+
+def test_a_gang_is_all_cpu_or_distinct_gpus():
+    devs = "topology.target_devices="
+    with pytest.raises(ConfigError, match=r"^topology.target_devices: target 0's gang \['cuda:0', 'cpu'\] mixes"):
+        placement("1x2-1", devs + "[cuda:0, cpu]", cuda_count=2)
+    with pytest.raises(ConfigError, match=r"^topology.target_devices: target 1's gang \['cuda:2', 'cuda:2'\] "
+                                          r"repeats a GPU"):
+        placement("2x2-1", devs + "[cuda:0, cuda:1, cuda:2, cuda:2]", cuda_count=4)
+    # Different actors may share a GPU: two gangs, or a gang and a drafter.
+    d = placement("2x2-1", devs + "[cuda:0, cuda:1, cuda:1, cuda:0]", "topology.drafter_devices=[cuda:0]",
+                  cuda_count=2)
+    assert d.targets == ("cuda:0", "cuda:1", "cuda:1", "cuda:0") and d.drafters == ("cuda:0",)
+    assert placement("1x2-1", devs + "[cpu, cpu]", cuda_count=4).targets == ("cpu", "cpu")
+    assert placement("2-1", devs + "[cuda:0, cuda:0]", cuda_count=1).targets == ("cuda:0", "cuda:0")  # no gang
+    with pytest.raises(ConfigError, match=r"^topology.target_devices: cuda:2 requested but this machine has 2"):
+        placement("1x2-1", devs + "[cuda:1, cuda:2]", cuda_count=2)
 
 
 def test_a_model_without_a_tensor_parallel_plan_is_refused():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dflash_actors.config import ConfigError
 from dflash_actors.models import shared_weights as sw
 from dflash_actors.models.target import ensure_target, load_target
 
@@ -49,12 +50,29 @@ def test_tied_weights_stay_tied_and_a_foreign_model_is_refused(tmp_path):
         sw.build_on(tmp_path / "deeper", weights, torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize("setting, nbytes, available, share, says", [
-    ("auto", 2 * 10**9, 8 * 10**9, True, "2.00 GB read once into shared memory for 2 target(s)"),
-    ("auto", 6 * 10**9, 8 * 10**9, False, "more than 50% of the 8.00 GB"),
-    ("on", 6 * 10**9, 8 * 10**9, True, "share_weights on"),
-    ("off", 10**6, 8 * 10**9, False, "1.0 MB read from disk by each of 2 target(s)"),
+@pytest.mark.parametrize("setting, nbytes, available, shm, ranks, share, says", [
+    ("auto", 2 * 10**9, 8 * 10**9, 8 * 10**9, 1, True, "2.00 GB read once into shared memory for 2 target(s)"),
+    ("auto", 6 * 10**9, 8 * 10**9, 8 * 10**9, 1, False, "more than 50% of 8.00 GB of host memory available"),
+    # A default container's /dev/shm: RAM to spare, yet the shared bytes would not fit.
+    ("auto", 2 * 10**9, 64 * 10**9, 64 * 10**6, 1, False, "64.0 MB free in /dev/shm"),
+    ("auto", 2 * 10**9, 8 * 10**9, 8 * 10**9, 4, True, "whose 4 ranks each slice their shard from it"),
+    ("auto", 6 * 10**9, 8 * 10**9, 8 * 10**9, 4, False, "each of the 4 ranks of each target reads its shard"),
+    ("on", 6 * 10**9, 8 * 10**9, 8 * 10**9, 1, True, "share_weights on"),
+    ("off", 10**6, 8 * 10**9, 8 * 10**9, 1, False, "1.0 MB; each target reads them from disk"),
 ])
-def test_auto_shares_what_fits_and_says_so_in_one_line(setting, nbytes, available, share, says):
-    got, line = sw.decide(setting, nbytes, 2, available)
+def test_auto_shares_what_fits_and_says_so_in_one_line(setting, nbytes, available, shm, ranks, share, says):
+    got, line = sw.decide(setting, nbytes, 2, available, shm, ranks)
     assert got is share and says in line and "\n" not in line
+
+
+def test_on_that_cannot_fit_in_dev_shm_is_refused_with_one_line():
+    with pytest.raises(ConfigError, match=r"^target.share_weights: on needs 2.00 GB in /dev/shm, which has 64.0 MB"):
+        sw.decide("on", 2 * 10**9, 1, 64 * 10**9, 64 * 10**6)
+
+
+def test_dev_shm_is_where_shared_tensors_live():
+    """The premise of counting /dev/shm: a shared tensor takes its bytes from it."""
+    before = sw.shm_free()
+    t = torch.empty(64 * 2**20, dtype=torch.uint8).share_memory_()
+    t.fill_(1)
+    assert before - sw.shm_free() >= 60 * 2**20
