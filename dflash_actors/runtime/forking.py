@@ -62,9 +62,11 @@ class ForkServerError(RuntimeError):
 
 
 def resolve(configured: str) -> str:
-    """``runtime.start_method`` resolved: auto is forkserver where the platform has it."""
+    """``runtime.start_method`` resolved: auto is forkserver where the platform has it and
+    pidfds (Linux), which this client watches its children by."""
     if configured == "auto":
-        return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        has = "forkserver" in multiprocessing.get_all_start_methods() and hasattr(os, "pidfd_open")
+        return "forkserver" if has else "spawn"
     return configured
 
 

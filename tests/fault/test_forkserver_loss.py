@@ -14,18 +14,8 @@ import time
 import psutil
 
 from dflash_actors.runtime.supervisor import JobState
-from tests.support.runtime import ROOT, all_gone, assert_exactly_once, events, runtime
+from tests.support.runtime import ROOT, all_gone, assert_exactly_once, events, runtime, wait_for
 from tests.support.toy import toy_job
-
-
-def _wait(cond, what, timeout=90.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        r = cond()
-        if r:
-            return r
-        time.sleep(0.01)
-    raise TimeoutError(what)
 
 
 def _working(sup):
@@ -44,7 +34,7 @@ def _strike_server(sup, sig, then=None):
 
     def run():
         try:
-            pids = _wait(lambda: _working(sup), "the job at work")
+            pids = wait_for(lambda: _working(sup), "the job at work")
             done["server"], done["actors"] = sup._server.pid, pids
             os.kill(done["server"], sig)
             if then is not None:
@@ -109,7 +99,7 @@ def test_a_fork_server_lost_past_the_restart_intensity_gives_way_to_spawn(tmp_pa
 
     def striker():
         for _ in range(2):
-            strikes.append(_wait(new_server, "a new fork server at work"))
+            strikes.append(wait_for(new_server, "a new fork server at work"))
             os.kill(strikes[-1], signal.SIGKILL)
     t = threading.Thread(target=striker, daemon=True)
     t.start()
@@ -141,9 +131,9 @@ def test_a_replaced_fork_server_still_dies_with_its_supervisor(tmp_path):
             a["state"] in ("idle", "working") for a in st["actors"].values())
         return st if ok else None
     try:
-        first = _wait(up, "the job at work", 120)["forkserver_pid"]
+        first = wait_for(up, "the job at work", 120)["forkserver_pid"]
         os.kill(first, signal.SIGKILL)
-        st = _wait(lambda: up(first), "a new fork server and its actors", 120)
+        st = wait_for(lambda: up(first), "a new fork server and its actors", 120)
         assert st["forkserver_restarts"] == 1
         below = [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
         assert st["forkserver_pid"] in below

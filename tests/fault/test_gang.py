@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.runtime.supervisor import JobState
 from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
-from tests.support.runtime import all_gone, assert_exactly_once, events, runtime
+from tests.support.runtime import all_gone, assert_exactly_once, events, runtime, wait_for
 from tests.support.toy import toy_job
 
 
@@ -36,16 +35,6 @@ def _gang_pids(sup, actor_id, struck=()):
     return None if set(pids) & set(struck) else pids
 
 
-def _wait(cond, what, timeout=90):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        r = cond()
-        if r:
-            return r
-        time.sleep(0.01)
-    raise TimeoutError(what)
-
-
 def test_any_rank_of_a_gang_dying_or_hanging_restarts_the_gang_once(tmp_path):
     """rank 1 killed, rank 0 killed, rank 2 stopped (SIGSTOP): three restarts of
     target.0, each taking every rank down, and every batch exactly once."""
@@ -57,12 +46,12 @@ def test_any_rank_of_a_gang_dying_or_hanging_restarts_the_gang_once(tmp_path):
         try:
             struck = set()
             for rank, sig in ((1, signal.SIGKILL), (0, signal.SIGKILL), (2, signal.SIGSTOP)):
-                pids = _wait(lambda: _gang_pids(sup, "target.0", struck), "a ready gang")
-                _wait(lambda: sup.heartbeats.row(sup.children[1].number)["batch"] >= 0, "the gang mid-batch")
+                pids = wait_for(lambda: _gang_pids(sup, "target.0", struck), "a ready gang")
+                wait_for(lambda: sup.heartbeats.row(sup.children[1].number)["batch"] >= 0, "the gang mid-batch")
                 os.kill(pids[rank], sig)
                 strikes.append((rank, sig, pids))
                 struck.update(pids)
-                _wait(lambda p=pids: all_gone(p, 0.0) and _gang_pids(sup, "target.0", struck), "the gang back")
+                wait_for(lambda p=pids: all_gone(p, 0.0) and _gang_pids(sup, "target.0", struck), "the gang back")
         except Exception as e:   # noqa: BLE001 - reported below
             error.append(e)
     t = threading.Thread(target=striker, daemon=True)
@@ -155,12 +144,13 @@ def test_a_killed_rank0_and_a_hung_rank1_leave_the_bits_unchanged(tp2_run, tmp_p
         try:
             for rank, sig in ((0, signal.SIGKILL), (1, signal.SIGSTOP)):
                 # As a user would: the gang's pids from status.json, while it holds a batch.
-                st = _wait(lambda: (s := status()) and s["state"] == "working" and None not in s["ranks"] and s,
+                st = wait_for(lambda: (s := status()) and s["state"] == "working" and None not in s["ranks"] and s,
                            "target.0 working", timeout=120)
                 os.kill(st["ranks"][rank], sig)
                 done.append((rank, sig, st["ranks"]))
-                _wait(lambda p=st["ranks"]: all_gone(p, 0.0) and (s := status()) and s["state"] in ("idle", "working")
-                      and None not in s["ranks"] and not set(s["ranks"]) & set(p), "the gang back", timeout=120)
+                wait_for(lambda p=st["ranks"]: all_gone(p, 0.0) and (s := status())
+                         and s["state"] in ("idle", "working") and None not in s["ranks"]
+                         and not set(s["ranks"]) & set(p), "the gang back", timeout=120)
         except Exception as e:   # noqa: BLE001
             error.append(e)
     t = threading.Thread(target=striker, daemon=True)

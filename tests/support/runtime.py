@@ -125,3 +125,14 @@ def all_gone(pids, within_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def wait_for(cond, what: str, timeout: float = 90.0):
+    """``cond()``'s first truthy value, polled every 10 ms; TimeoutError naming ``what``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        r = cond()
+        if r:
+            return r
+        time.sleep(0.01)
+    raise TimeoutError(what)
