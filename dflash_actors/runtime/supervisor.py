@@ -741,7 +741,9 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for c in live:
                 self._log("escalate", actor=c.actor_id, reason=f"still running, sending {sig.name}")
-                os.kill(c.proc.pid, sig)
+                # Through the process object: one that has ended meanwhile is skipped, not
+                # an error (its pid may already be reaped, or another's).
+                (c.proc.terminate if sig == signal.SIGTERM else c.proc.kill)()
             live = self._join(live, time.monotonic() + TERM_WAIT_S)
         self._stop_followers(time.monotonic() + TERM_WAIT_S)
         for c in self.children:
