@@ -5,36 +5,68 @@ Rows are the loss rows of one 2,048-token batch of the SmolLM2 config at 16 anch
 sequence (2,126 rows, measured on its regenerated data) and at 64 (8,400). Hidden rows,
 head and labels are random (the cost does not depend on their values); each case runs
 ``(CE * w).sum().backward()`` on one thread, best of 3, alternating. Also the largest
-gradient difference between the two, relative to the largest gradient. One JSON line.
+gradient difference between the two, relative to the largest gradient. Then the fused
+head restricted to a training vocabulary (``train.head_vocab: data``) of the size found
+under the loss mask of the SmolLM2 data in ``--data`` (when prepared) and of 8,192 and
+16,384 rows, each with its time against the full fused head's. One JSON line.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from dflash_actors.models.loss import head_ce
+from dflash_actors.models.loss import VocabRows, head_ce, restricted_ce
 
 VOCAB, HIDDEN = 49152, 576
 ROWS = {"anchors_16": 2126, "anchors_64": 8400}
 REPEATS = 3
+SUBSETS = (8192, 16384)
+DATA = Path(__file__).resolve().parents[1] / ".cache" / "smollm2-train"
 
 
-def run(how: str, h: torch.Tensor, W: torch.Tensor, lab: torch.Tensor, w: torch.Tensor):
+def run(how: str, h: torch.Tensor, W: torch.Tensor, lab: torch.Tensor, w: torch.Tensor, rows=None):
     x = h.clone().requires_grad_()
     t = time.perf_counter()
-    ce, _, _ = head_ce(x, W, lab, how)
+    ce, _, _ = head_ce(x, W, lab, how) if rows is None else restricted_ce(x, W, lab, rows, how)
     (ce * w).sum().backward()
     return time.perf_counter() - t, x.grad
 
 
-def main() -> int:
+def subsets(data: Path) -> dict[str, int]:
+    out = {f"rows_{n}": n for n in SUBSETS}
+    if (data / "prepare.json").is_file():
+        from dflash_actors.data.dataset import TokenDataset
+        ds = TokenDataset(data, progress=False)
+        out = {f"data_{len(ds)}_completions": len(ds.supervised_tokens())} | out
+    return out
+
+
+def restricted(h, w, W, full_s: float, g: torch.Generator, sizes: dict[str, int]) -> dict:
+    """The fused head over ``n`` random rows, labels drawn among them, against the full one."""
+    out = {}
+    for name, n in sizes.items():
+        ids = torch.randperm(VOCAB, generator=g)[:n].sort().values
+        lab = ids[torch.randint(0, n, (len(h),), generator=g)]
+        rows = VocabRows(ids, VOCAB, "cpu")
+        best = min(run("fused", h, W, lab, w, rows)[0] for _ in range(REPEATS))
+        out[name] = {"vocab_rows": n, "fused_s": round(best, 3), "time_vs_full": round(best / full_s, 3)}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=DATA)
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(VOCAB, HIDDEN, generator=g) * 0.05
+    sizes = subsets(args.data)
     out = {"bench": "head", "vocab": VOCAB, "hidden": HIDDEN, "repeats": REPEATS}
     for name, rows in ROWS.items():
         h = torch.randn(rows, HIDDEN, generator=g)
@@ -48,7 +80,8 @@ def main() -> int:
         diff = float((grads["fused"] - grads["checkpointed"]).abs().max() / grads["checkpointed"].abs().max())
         out[name] = {"rows": rows, "fused_s": round(best["fused"], 3), "checkpointed_s": round(best["checkpointed"], 3),
                      "fused_saving": round(1 - best["fused"] / best["checkpointed"], 3),
-                     "grad_rel_diff_max": float(f"{diff:.2g}")}
+                     "grad_rel_diff_max": float(f"{diff:.2g}"),
+                     "restricted": restricted(h, w, W, best["fused"], g, sizes)}
         print(f"# {name}: {out[name]}", flush=True)
     print(json.dumps(out))
     return 0

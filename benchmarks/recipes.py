@@ -35,6 +35,9 @@ VARIANTS = {
     "init_target_dpace": ["drafter.init=target", "train.position_weight=dpace"],
     "distill": ["drafter.init=random", "train.position_weight=decay", "train.loss=distill"],
     "init_target_distill": ["drafter.init=target", "train.position_weight=decay", "train.loss=distill"],
+    # The SmolLM2 config's recipe, exact head against the head restricted to the data's tokens.
+    "default": ["drafter.init=random", "train.position_weight=dpace"],
+    "head_vocab_data": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=data"],
 }
 """The anchors' recipe is random init, cross-entropy on the target's text, gamma decay."""
 
@@ -43,7 +46,34 @@ def say(msg: str) -> None:
     print(f"# {msg}", flush=True)
 
 
-def heldout_metrics(drafter, target, texts) -> dict:
+OUTSIDE_TEXTS = 16
+
+
+def outside_share(drafter, target, texts, vocab) -> float:
+    """Of the full head's argmaxes at every draft slot of the first ``OUTSIDE_TEXTS``
+    held-out texts, the share that is not in the training vocabulary ``vocab``."""
+    import torch
+
+    from dflash_actors.eval.tau import text_features
+    from dflash_actors.models.loss import anchor_candidates, block_hidden
+
+    inside = torch.zeros(target.lm_head.weight.shape[0], dtype=torch.bool)
+    inside[vocab] = True
+    out = total = 0
+    for i in range(min(OUTSIDE_TEXTS, len(texts))):
+        ids, mask = texts.sample(i)
+        ids_t = torch.from_numpy(ids)
+        anchors = torch.from_numpy(anchor_candidates(mask))
+        if not len(anchors):
+            continue
+        ctx = drafter.context(text_features(target, ids_t).to(drafter.fc.weight.dtype))
+        hidden = block_hidden(drafter, target.embed_tokens, ctx, ids_t, anchors)[:, 1:].to(target.dtype)
+        pred = target.lm_head(hidden.flatten(0, 1)).argmax(-1)
+        out, total = out + int((~inside[pred]).sum()), total + len(pred)
+    return out / max(total, 1)
+
+
+def heldout_metrics(drafter, target, texts, vocab=None) -> dict:
     import numpy as np
     import torch
 
@@ -56,8 +86,11 @@ def heldout_metrics(drafter, target, texts) -> dict:
         correct.append(c)
         valid.append(v)
     sim = text_metrics(np.concatenate(correct), np.concatenate(valid))
-    return {"walk_tau": round(walk_tau(drafter, target, texts), 4), "simulated_tau": round(sim["tau"], 4),
-            "slot_acc": sim["per_position"][:2]}
+    out = {"walk_tau": round(walk_tau(drafter, target, texts), 4), "simulated_tau": round(sim["tau"], 4),
+           "slot_acc": sim["per_position"][:2]}
+    if vocab is not None:
+        out["argmax_outside_vocab"] = round(outside_share(drafter, target, texts, vocab), 4)
+    return out
 
 
 def run_variant(name: str, base: list[str], steps: int, marks: set[int], texts) -> dict:
@@ -66,12 +99,14 @@ def run_variant(name: str, base: list[str], steps: int, marks: set[int], texts) 
     from dflash_actors.config import load_config
     from dflash_actors.data.dataset import open_dataset
     from dflash_actors.job.reference import train_reference
+    from dflash_actors.models.loss import training_vocab
     from dflash_actors.train.schedule import Schedule
 
     cfg = load_config(CONFIG, base + VARIANTS[name])
     per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1}),
                                      open_dataset(cfg.data, progress=False).lengths).total_steps
     cfg = cfg.updated({"train.epochs": math.ceil(steps / per_epoch)})
+    vocab = training_vocab(cfg)
     rows, t_last = [], [time.perf_counter(), 0.0]
 
     def on_step(step, drafter, target, m):
@@ -79,7 +114,7 @@ def run_variant(name: str, base: list[str], steps: int, marks: set[int], texts) 
             t_train = time.perf_counter() - t_last[0]
             drafter.eval()
             with torch.no_grad():
-                h = heldout_metrics(drafter, target, texts)
+                h = heldout_metrics(drafter, target, texts, vocab)
             drafter.train()
             recent = result_losses[-5:] + [m["loss"]]
             rows.append({"step": step, "loss": round(sum(recent[-5:]) / len(recent[-5:]), 4), **h,
@@ -92,7 +127,8 @@ def run_variant(name: str, base: list[str], steps: int, marks: set[int], texts) 
     t = time.perf_counter()
     res = train_reference(cfg, progress=False, on_step=on_step)
     return {"variant": name, "overrides": VARIANTS[name], "steps": res.steps, "first_loss": round(res.losses[0], 3),
-            "marks": rows, "wall_s": round(time.perf_counter() - t, 1)}
+            "marks": rows, "wall_s": round(time.perf_counter() - t, 1),
+            **({} if vocab is None else {"vocab_rows": len(vocab)})}
 
 
 def table(results: list[dict]) -> str:

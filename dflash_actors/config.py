@@ -202,6 +202,13 @@ class TrainConfig:
     is computed in the forward, chunk by chunk, so the head's matmul runs twice and no
     logits are kept; ``checkpointed``: autograd over checkpointed chunks (three matmuls).
     Same loss and gradients at float rounding; auto = fused."""
+    head_vocab: Literal["full", "data"] = "full"
+    """The vocabulary the training cross-entropy normalises over. ``full``: every row of
+    the target's head (the exact objective, SpecForge's). ``data``: only the tokens found
+    at loss_mask=1 positions of the training dataset, read once per process; an
+    approximation that drops the other rows from the softmax, so the head's matmuls
+    shrink by that share. The drafter and its export keep the full head: decoding and
+    evaluation still pick from every token."""
     checkpoint_every: int = checked(0, at_least(0))
     """Optimizer steps between checkpoints; 0 = only at the end and on signals."""
     num_threads: int = checked(1, at_least(1))

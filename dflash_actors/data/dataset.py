@@ -257,6 +257,26 @@ class TokenDataset:
         self.gather(np.array([i]), ids, mask)
         return ids, mask
 
+    def supervised_tokens(self) -> np.ndarray:
+        """The sorted token ids found at loss_mask=1 positions of any raw row (every
+        token without a loss_mask). Truncated tails and dropped rows count too: a
+        superset of what training labels, which is all a restricted head needs. One
+        vectorised pass marking a table (a sort per chunk would cost minutes at scale)."""
+        seen = np.zeros(0, bool)
+        for c in self._chunks:
+            ids = c.ids_values[c.ids_offsets[0]:c.ids_offsets[-1]]
+            if c.mask_offsets is not None:
+                a, b = int(c.mask_offsets[0]), int(c.mask_offsets[-1])
+                m = c.mask_values
+                m = (m.slice(a, b - a).to_numpy(zero_copy_only=False) if isinstance(m, pa.Array) else m[a:b])
+                ids = ids[m.astype(bool)]
+            if len(ids):
+                top = int(ids.max()) + 1
+                if top > len(seen):
+                    seen = np.concatenate([seen, np.zeros(top - len(seen), bool)])
+                seen[ids] = True
+        return np.flatnonzero(seen).astype(np.int64)
+
     # -- full validation (one vectorised pass over the values) ----------------
 
     def check_values(self, vocab_size: int, progress: bool = True) -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -418,6 +418,46 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, rows, alpha: float) -> 
     return w[rows]
 
 
+@functools.lru_cache(maxsize=4)
+def _data_vocab(path: str) -> torch.Tensor:
+    from ..data.dataset import TokenDataset
+    return torch.from_numpy(TokenDataset(path, progress=False).supervised_tokens())
+
+
+def training_vocab(cfg) -> torch.Tensor | None:
+    """``train.head_vocab``'s rows of the head, sorted (None: the full head). Read from
+    the training dataset once per process: every process that trains (drafter actors,
+    the reference) derives the same set from the same files."""
+    if cfg.train.head_vocab == "full":
+        return None
+    from ..data.synthetic import train_path
+    return _data_vocab(str(train_path(cfg)))
+
+
+class VocabRows:
+    """A restricted training head: the rows ``ids`` of the full head, with labels and
+    argmaxes mapped between the two numberings."""
+
+    def __init__(self, ids: torch.Tensor, vocab_size: int, device):
+        self.ids = ids.to(device)
+        self.position = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
+        self.position[self.ids] = torch.arange(len(ids), device=device)
+
+    def labels(self, lab: torch.Tensor) -> torch.Tensor:
+        out = self.position[lab]
+        if (out < 0).any():
+            bad = int(lab[out < 0][0])
+            raise ValueError(f"train.head_vocab: label token {bad} is not in the training vocabulary "
+                             "(the dataset changed under the job?)")
+        return out
+
+
+def restricted_ce(hidden, lm_head_weight, labels, rows: VocabRows, how: str = "fused", teacher=None):
+    """``head_ce`` with the softmax over ``rows`` only: results in the full numbering."""
+    ce, pred, hard = head_ce(hidden, lm_head_weight.index_select(0, rows.ids), rows.labels(labels), how, teacher)
+    return ce, rows.ids[pred], hard
+
+
 @dataclass(frozen=True)
 class Objective:
     """Everything a batch's loss depends on besides the weights and the batch: the same
@@ -431,19 +471,21 @@ class Objective:
     position_weight: str = "decay"
     dpace_alpha: float = 0.5
     loss: str = "ce"
+    vocab: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """``training_vocab``: the head rows the softmax runs over (None: all)."""
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
         t = cfg.train
         return cls(t.num_anchors, decay_gamma(cfg), t.seed, t.compute_dtype,
                    "checkpointed" if t.head_loss == "checkpointed" else "fused", t.position_weight, t.dpace_alpha,
-                   t.loss)
+                   t.loss, training_vocab(cfg))
 
 
 def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.ndarray],
                 gamma: float, *, compute_dtype: str = "auto", head_loss: str = "fused",
                 position_weight: str = "decay", dpace_alpha: float = 0.5,
-                loss: str = "ce") -> tuple[torch.Tensor, BlockStats]:
+                loss: str = "ce", vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, BlockStats]:
     """``(loss, stats)`` for a packed batch given its anchors per row.
 
     ``head`` provides the frozen target ``embed_tokens`` and ``lm_head``; ``features``
@@ -452,7 +494,9 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     Slots weigh ``exp(-(k-1)/gamma)`` or, with ``position_weight="dpace"``, D-PACE's
     detached weights (``dpace_weights``, from the CE against the data's tokens). With
     ``loss="distill"`` the features' last ``H`` columns are the target's last layer and
-    each slot learns the target's softmax there, one position back. With no anchor anywhere in the batch the loss
+    each slot learns the target's softmax there, one position back. With ``vocab`` (sorted
+    token ids) the softmax, its argmax and the teacher's run over those rows of the head
+    only (``train.head_vocab``). With no anchor anywhere in the batch the loss
     is a zero that still reaches every parameter, so gradient accumulation needs no
     special case.
     """
@@ -467,7 +511,11 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     rows = valid.nonzero(as_tuple=True)
     lab = labels[rows]
     teacher = teacher_rows(features, p, rows, hidden.shape[-1]) if loss == "distill" else None
-    ce, pred, hard = head_ce(hidden[rows], head.lm_head.weight, lab, head_loss, teacher)
+    W = head.lm_head.weight
+    if vocab is None:
+        ce, pred, hard = head_ce(hidden[rows], W, lab, head_loss, teacher)
+    else:
+        ce, pred, hard = restricted_ce(hidden[rows], W, lab, VocabRows(vocab, W.shape[0], W.device), head_loss, teacher)
     if position_weight == "dpace":
         w = dpace_weights(hard, valid, rows, dpace_alpha)
     else:
@@ -489,4 +537,4 @@ def batch_loss(drafter, head, features: torch.Tensor, batch, objective: Objectiv
     o = objective
     return dflash_loss(drafter, head, features, batch, batch_anchors(batch, o.num_anchors, o.seed, epoch, batch_id),
                        o.gamma, compute_dtype=o.compute_dtype, head_loss=o.head_loss,
-                       position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss)
+                       position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss, vocab=o.vocab)

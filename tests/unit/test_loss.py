@@ -614,3 +614,71 @@ def test_dpace_weights_match_the_formula():
                 want.append(sum(np.prod(r[1:m + 1]) for m in range(j, 5)))
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), rtol=1e-6, atol=1e-7)
     assert not got.requires_grad
+
+
+@pytest.mark.parametrize("how", ["fused", "checkpointed"])
+@pytest.mark.parametrize("distill", [False, True])
+def test_restricted_head_is_the_softmax_over_its_rows(how, distill, monkeypatch):
+    """train.head_vocab=data: loss, gradient and argmax are those of plain autograd over
+    the logits of the chosen rows only, the argmax in the full numbering."""
+    monkeypatch.setattr(L, "CE_CHUNK_ROWS", 10)
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(23, 16, generator=g).requires_grad_()
+    W = torch.randn(50, 16, generator=g)
+    ids = torch.tensor([1, 4, 7, 8, 20, 33, 49])
+    lab = ids[torch.randint(0, len(ids), (23,), generator=g)]
+    w, t = torch.rand(23, generator=g), (torch.randn(23, 16, generator=g) if distill else None)
+    rows = L.VocabRows(ids, 50, "cpu")
+    loss, pred, hard = L.restricted_ce(h, W, lab, rows, how, teacher=t)
+    (loss * w).sum().backward()
+    h2 = h.detach().clone().requires_grad_()
+    logits = h2 @ W[ids].T
+    local = torch.searchsorted(ids, lab)
+    want = F.cross_entropy(logits, local, reduction="none") if t is None else \
+        -((t @ W[ids].T).softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    (want * w).sum().backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hard, F.cross_entropy(logits, local, reduction="none").detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-6 * float(h2.grad.abs().max()))
+    assert torch.equal(pred, ids[logits.argmax(-1)])
+    # Smaller than the full softmax's CE (fewer rows in the normaliser) wherever it is CE.
+    if t is None:
+        full, _, _ = L.head_ce(h.detach(), W, lab, how)
+        assert (hard < full).all()
+    with pytest.raises(ValueError, match="not in the training vocabulary"):
+        rows.labels(torch.tensor([2]))
+
+
+def test_restricted_head_in_the_block_loss(setup):
+    """dflash_loss with every token id as its vocabulary is the exact head's loss and
+    stats; with only the batch's labels (and a few more) the loss is smaller and the
+    argmaxes behind its stats never leave that set."""
+    _, target, d = setup
+    batch = packed([seq(40, 15), seq(33, 16)])
+    feats = target.features(batch)
+    anchors = L.batch_anchors(batch, 8, 0, 0, 0)
+    V = target.lm_head.weight.shape[0]
+    full, fs = L.dflash_loss(d, target, feats, batch, anchors, 4.0)
+    every, es = L.dflash_loss(d, target, feats, batch, anchors, 4.0, vocab=torch.arange(V))
+    torch.testing.assert_close(every, full, rtol=1e-6, atol=0)
+    assert es.accepted == fs.accepted and torch.equal(es.slot_correct, fs.slot_correct)
+    some = torch.unique(torch.cat([batch.input_ids[batch.loss_mask.bool()], torch.tensor([0, 1, 2])]))
+    assert len(some) < V
+    part, ps = L.dflash_loss(d, target, feats, batch, anchors, 4.0, vocab=some)
+    assert float(part.detach()) < float(full.detach())
+    assert ps.accepted >= fs.accepted       # an argmax outside the set can only have been wrong
+
+
+def test_supervised_tokens_are_those_under_the_loss_mask(tmp_path):
+    # Two shards of rows_per_batch 2: chunks whose offsets do not start at 0.
+    from dflash_actors.data.dataset import TokenDataset
+    from dflash_actors.data.synthetic import write_token_dataset
+    ids = [[5, 6, 7, 8], [9, 10, 5], [11, 12], [13, 14, 15], [16, 3]]
+    masks = [[0, 0, 1, 1], [1, 0, 1], [0, 0], [0, 1, 0], [1, 1]]
+    offsets = np.cumsum([0] + [len(r) for r in ids])
+    flat = np.concatenate([np.array(r) for r in ids])
+    path = write_token_dataset(tmp_path / "d", offsets, flat, np.concatenate([np.array(m, np.int8) for m in masks]),
+                               num_shards=2, rows_per_batch=2)
+    assert TokenDataset(path, progress=False).supervised_tokens().tolist() == [3, 5, 7, 8, 9, 14, 16]
+    no_mask = write_token_dataset(tmp_path / "n", offsets, flat, None)
+    assert TokenDataset(no_mask, progress=False).supervised_tokens().tolist() == sorted(set(flat.tolist()))
