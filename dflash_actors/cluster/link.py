@@ -352,9 +352,11 @@ class Link:
             out["replicas"] = f"not compared: {first_line(e)}"
             return out
         try:
-            self.store.set(self._key(f"read/{n.rank}"), "1")
+            # Not join's read/ keys: those are set already, and node 0 would close its
+            # store under a node still reading the ends (seen in CI as "Failed to recv").
+            self.store.set(self._key(f"ends-read/{n.rank}"), "1")
             if n.rank == 0:     # the store lives here: keep it until every node has read it
-                self._wait_keys([f"read/{k}" for k in range(n.nodes)], 30.0, "the end")
+                self._wait_keys([f"ends-read/{k}" for k in range(n.nodes)], 30.0, "the end")
         except Exception:  # noqa: BLE001 - the comparison is made; node 0 may close its store under this ack
             pass
         return out
