@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     from benchmarks.bench_real import PROMPTS, prepared
     from dflash_actors.config import load_config
     from dflash_actors.data.dataset import open_dataset
-    from dflash_actors.eval.prepare import load_tokenizer, prompts_of, stop_ids
+    from dflash_actors.eval.generate import stop_ids
+    from dflash_actors.eval.prepare import load_tokenizer, prompts_of
     from dflash_actors.eval.tau import real_tau
     from dflash_actors.job.reference import train_reference
     from dflash_actors.models.drafter import build_drafter

@@ -38,6 +38,7 @@ from ..models.drafter import DFlashDrafter, is_drafter_dir
 from ..models.target import TargetModel, resolve_target_dir
 from ..train.checkpoint import STATE_FILE, latest_checkpoint, load_trainer_state
 from .decode import NgramProposer, repeat_proposer
+from .generate import stop_ids
 from .prepare import (
     PrepareError,
     TemplateSettings,
@@ -46,7 +47,6 @@ from .prepare import (
     load_tokenizer,
     read_metadata,
     read_prompts,
-    stop_ids,
     template_opts,
     template_settings,
 )

@@ -76,11 +76,11 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
 def test_prepare_generates_in_the_dtype_asked_records_it_and_refuses_an_unknown_one(chat, tmp_path):
     # On the tiny target bf16 and fp32 greedy texts agree token for token (checked), so the
     # text cannot tell which ran: the generator's model is what must be bf16.
-    from dflash_actors.eval.prepare import _Generator
+    from dflash_actors.eval.generate import InProcessEngine
     target, prompts = chat
     tok = load_tokenizer(target)
     for dtype, want in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):
-        gen = _Generator(target, tok, SamplingSettings(dtype=dtype), 1, "cpu", None)
+        gen = InProcessEngine(target, tok, SamplingSettings(dtype=dtype), 1, "cpu", None)
         assert next(gen.model.parameters()).dtype == want
     out = prepare(str(target), prompts, tmp_path / "ds", sampling=SamplingSettings(max_new_tokens=10, dtype="bfloat16"),
                   batch_size=2, shard_size=4, limit=3, progress=False, threads=1)
