@@ -202,13 +202,19 @@ class TrainConfig:
     is computed in the forward, chunk by chunk, so the head's matmul runs twice and no
     logits are kept; ``checkpointed``: autograd over checkpointed chunks (three matmuls).
     Same loss and gradients at float rounding; auto = fused."""
-    head_vocab: Literal["full", "data"] = "full"
+    head_vocab: Literal["full", "data", "sampled"] = "full"
     """The vocabulary the training cross-entropy normalises over. ``full``: every row of
     the target's head (the exact objective, SpecForge's). ``data``: only the tokens found
     at loss_mask=1 positions of the training dataset, read once per process; an
     approximation that drops the other rows from the softmax, so the head's matmuls
     shrink by that share. The drafter and its export keep the full head: decoding and
-    evaluation still pick from every token."""
+    evaluation still pick from every token, and under ``data`` nothing in the loss
+    keeps the rows outside the set from winning that argmax. ``sampled``: the data's rows plus
+    ``head_negatives`` rows drawn per batch from the rest, their logits raised by
+    log(rest / drawn) (sampled softmax: the drawn rows stand for all of the rest)."""
+    head_negatives: int = checked(4096, at_least(1))
+    """``head_vocab: sampled``: head rows outside the data's drawn per batch, seeded by
+    (seed, epoch, batch), so every process draws the same."""
     checkpoint_every: int = checked(0, at_least(0))
     """Optimizer steps between checkpoints; 0 = only at the end and on signals."""
     num_threads: int = checked(1, at_least(1))

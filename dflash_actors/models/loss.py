@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -314,28 +315,35 @@ def _chunk_rows(teacher) -> int:
     return CE_CHUNK_ROWS if teacher is None else CE_CHUNK_ROWS // 2
 
 
-def _ce_rows(hidden, weight, labels, teacher=None):
+def _logits(h, weight, bias):
     # The frozen head keeps the target's dtype (bf16 on GPU); CE itself runs in fp32.
-    logits = F.linear(hidden.to(weight.dtype), weight).float()
+    logits = F.linear(h.to(weight.dtype), weight).float()
+    return logits if bias is None else logits.add_(bias)
+
+
+def _ce_rows(hidden, weight, labels, teacher=None, bias=None):
+    logits = _logits(hidden, weight, bias)
     hard = F.cross_entropy(logits, labels, reduction="none")
     if teacher is None:
         return hard, logits.argmax(-1), hard.detach()
-    target_p = F.linear(teacher.to(weight.dtype), weight).float().softmax(-1)
+    target_p = _logits(teacher, weight, bias).softmax(-1)
     return -(target_p * logits.log_softmax(-1)).sum(-1), logits.argmax(-1), hard.detach()
 
 
 def checkpointed_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                    teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    teacher: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss per row, argmax, CE against labels)`` by autograd over checkpointed chunks:
     the head's matmul runs three times (forward, recomputed forward, backward), four
     with a ``teacher``, and one chunk of logits is alive at a time. The loss is CE
-    against ``labels``, or against ``softmax(teacher @ W.T)`` when ``teacher`` rows are given."""
+    against ``labels``, or against ``softmax(teacher @ W.T)`` when ``teacher`` rows are given.
+    ``bias`` (one float per head row, fp32) is added to every row's logits, the teacher's too."""
     out = []
     n = _chunk_rows(teacher)
     for s in range(0, len(hidden), n):
         sl = slice(s, s + n)
         out.append(checkpoint(_ce_rows, hidden[sl], lm_head_weight, labels[sl],
-                              None if teacher is None else teacher[sl], use_reentrant=False))
+                              None if teacher is None else teacher[sl], bias, use_reentrant=False))
     return tuple(torch.cat(parts) for parts in zip(*out))
 
 
@@ -352,18 +360,18 @@ class _FusedHeadCE(torch.autograd.Function):
     ``lse - p . logits`` and the gradient ``(softmax - p) @ W`` (one more matmul, for p)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, teacher):
+    def forward(ctx, hidden, weight, labels, teacher, bias):
         losses, preds, hards = [], [], []
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
         n = _chunk_rows(teacher)
         for s in range(0, len(hidden), n):
-            h, lab = hidden[s:s + n].to(weight.dtype), labels[s:s + n]
-            logits = F.linear(h, weight).float()
+            h, lab = hidden[s:s + n], labels[s:s + n]
+            logits = _logits(h, weight, bias)
             preds.append(logits.argmax(-1))
             lse = torch.logsumexp(logits, dim=-1)
             hards.append(lse - logits.gather(1, lab[:, None]).squeeze(1))
             if teacher is not None:
-                target_p = F.linear(teacher[s:s + n].to(weight.dtype), weight).float().softmax(-1)
+                target_p = _logits(teacher[s:s + n], weight, bias).softmax(-1)
                 losses.append(lse - (target_p * logits).sum(-1))
             probs = logits.sub_(lse[:, None]).exp_()          # softmax, in the logits' memory
             if teacher is None:
@@ -385,22 +393,23 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_pred, _grad_hard):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_loss[:, None]).to(ctx.hidden_dtype), None, None, None
+        return (grad * grad_loss[:, None]).to(ctx.hidden_dtype), None, None, None, None
 
 
 def fused_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-             teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             teacher: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``checkpointed_ce``'s three results with the gradient made in the forward (``_FusedHeadCE``)."""
     if lm_head_weight.requires_grad:
         raise ValueError("fused_ce: the head must be frozen (its gradient is not computed)")
-    return _FusedHeadCE.apply(hidden, lm_head_weight, labels, teacher)
+    return _FusedHeadCE.apply(hidden, lm_head_weight, labels, teacher, bias)
 
 
-def head_ce(hidden, lm_head_weight, labels, how: str = "fused", teacher=None):
+def head_ce(hidden, lm_head_weight, labels, how: str = "fused", teacher=None, bias=None):
     """Loss per row, argmax and CE against ``labels`` of the frozen head, by
     ``train.head_loss`` (auto = fused); the loss is distillation's with ``teacher`` rows."""
-    return checkpointed_ce(hidden, lm_head_weight, labels, teacher) if how == "checkpointed" else \
-        fused_ce(hidden, lm_head_weight, labels, teacher)
+    return checkpointed_ce(hidden, lm_head_weight, labels, teacher, bias) if how == "checkpointed" else \
+        fused_ce(hidden, lm_head_weight, labels, teacher, bias)
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, rows, alpha: float) -> torch.Tensor:
@@ -418,6 +427,10 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, rows, alpha: float) -> 
     return w[rows]
 
 
+NEGATIVES_TAG = 1_000_003
+"""Fourth seed word of a batch's drawn head rows: out of the range of the anchors' row index."""
+
+
 @functools.lru_cache(maxsize=4)
 def _data_vocab(path: str) -> torch.Tensor:
     from ..data.dataset import TokenDataset
@@ -429,19 +442,38 @@ def training_vocab(cfg) -> torch.Tensor | None:
     the training dataset once per process: every process that trains (drafter actors,
     the reference) derives the same set from the same files."""
     if cfg.train.head_vocab == "full":
-        return None
+        return None    # sampled: the data's rows plus, per batch, rows drawn from the rest
     from ..data.synthetic import train_path
     return _data_vocab(str(train_path(cfg)))
 
 
 class VocabRows:
     """A restricted training head: the rows ``ids`` of the full head, with labels and
-    argmaxes mapped between the two numberings."""
+    argmaxes mapped between the two numberings, and ``bias`` (None, or one float per
+    row) added to those rows' logits."""
 
-    def __init__(self, ids: torch.Tensor, vocab_size: int, device):
+    def __init__(self, ids: torch.Tensor, vocab_size: int, device, bias: torch.Tensor | None = None):
         self.ids = ids.to(device)
+        self.bias = None if bias is None else bias.to(device, torch.float32)
         self.position = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
         self.position[self.ids] = torch.arange(len(ids), device=device)
+
+    @classmethod
+    def sampled(cls, vocab: torch.Tensor, vocab_size: int, negatives: int, generator: torch.Generator,
+                device) -> "VocabRows":
+        """``vocab`` plus ``negatives`` rows drawn without replacement from the rest of
+        the head, each drawn logit raised by log(rest / negatives): the drawn rows'
+        exp-sum is then an unbiased estimate of the whole rest's, so every row outside
+        ``vocab`` keeps being pushed down (sampled softmax)."""
+        inside = torch.zeros(vocab_size, dtype=torch.bool)
+        inside[vocab] = True
+        rest = (~inside).nonzero()[:, 0]
+        k = min(negatives, len(rest))
+        drawn = rest[torch.randperm(len(rest), generator=generator)[:k]]
+        bias = torch.zeros(len(vocab) + k)
+        if k:
+            bias[len(vocab):] = math.log(len(rest) / k)
+        return cls(torch.cat([vocab, drawn]), vocab_size, device, bias)
 
     def labels(self, lab: torch.Tensor) -> torch.Tensor:
         out = self.position[lab]
@@ -454,7 +486,8 @@ class VocabRows:
 
 def restricted_ce(hidden, lm_head_weight, labels, rows: VocabRows, how: str = "fused", teacher=None):
     """``head_ce`` with the softmax over ``rows`` only: results in the full numbering."""
-    ce, pred, hard = head_ce(hidden, lm_head_weight.index_select(0, rows.ids), rows.labels(labels), how, teacher)
+    ce, pred, hard = head_ce(hidden, lm_head_weight.index_select(0, rows.ids), rows.labels(labels), how, teacher,
+                             rows.bias)
     return ce, rows.ids[pred], hard
 
 
@@ -473,19 +506,21 @@ class Objective:
     loss: str = "ce"
     vocab: torch.Tensor | None = field(default=None, compare=False, repr=False)
     """``training_vocab``: the head rows the softmax runs over (None: all)."""
+    negatives: int = 0
+    """``head_vocab: sampled``: rows drawn per batch from outside ``vocab``."""
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
         t = cfg.train
         return cls(t.num_anchors, decay_gamma(cfg), t.seed, t.compute_dtype,
                    "checkpointed" if t.head_loss == "checkpointed" else "fused", t.position_weight, t.dpace_alpha,
-                   t.loss, training_vocab(cfg))
+                   t.loss, training_vocab(cfg), t.head_negatives if t.head_vocab == "sampled" else 0)
 
 
 def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.ndarray],
                 gamma: float, *, compute_dtype: str = "auto", head_loss: str = "fused",
                 position_weight: str = "decay", dpace_alpha: float = 0.5,
-                loss: str = "ce", vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, BlockStats]:
+                loss: str = "ce", vocab: torch.Tensor | VocabRows | None = None) -> tuple[torch.Tensor, BlockStats]:
     """``(loss, stats)`` for a packed batch given its anchors per row.
 
     ``head`` provides the frozen target ``embed_tokens`` and ``lm_head``; ``features``
@@ -495,8 +530,8 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     detached weights (``dpace_weights``, from the CE against the data's tokens). With
     ``loss="distill"`` the features' last ``H`` columns are the target's last layer and
     each slot learns the target's softmax there, one position back. With ``vocab`` (sorted
-    token ids) the softmax, its argmax and the teacher's run over those rows of the head
-    only (``train.head_vocab``). With no anchor anywhere in the batch the loss
+    token ids, or ``VocabRows``) the softmax, its argmax and the teacher's run over those
+    rows of the head only (``train.head_vocab``). With no anchor anywhere in the batch the loss
     is a zero that still reaches every parameter, so gradient accumulation needs no
     special case.
     """
@@ -515,7 +550,9 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     if vocab is None:
         ce, pred, hard = head_ce(hidden[rows], W, lab, head_loss, teacher)
     else:
-        ce, pred, hard = restricted_ce(hidden[rows], W, lab, VocabRows(vocab, W.shape[0], W.device), head_loss, teacher)
+        if not isinstance(vocab, VocabRows):
+            vocab = VocabRows(vocab, W.shape[0], W.device)
+        ce, pred, hard = restricted_ce(hidden[rows], W, lab, vocab, head_loss, teacher)
     if position_weight == "dpace":
         w = dpace_weights(hard, valid, rows, dpace_alpha)
     else:
@@ -535,6 +572,13 @@ def batch_loss(drafter, head, features: torch.Tensor, batch, objective: Objectiv
                epoch: int, batch_id: int) -> tuple[torch.Tensor, BlockStats]:
     """The training loss of batch ``batch_id`` of ``epoch``: seeded anchors, then ``dflash_loss``."""
     o = objective
+    vocab = o.vocab
+    if vocab is not None and o.negatives:
+        # Drawn from (seed, epoch, batch): every process that makes this batch's gradient draws the same rows.
+        seed = np.random.SeedSequence([o.seed, epoch, batch_id, NEGATIVES_TAG]).generate_state(1)[0]
+        g = torch.Generator().manual_seed(int(seed))
+        W = head.lm_head.weight
+        vocab = VocabRows.sampled(vocab, W.shape[0], o.negatives, g, W.device)
     return dflash_loss(drafter, head, features, batch, batch_anchors(batch, o.num_anchors, o.seed, epoch, batch_id),
                        o.gamma, compute_dtype=o.compute_dtype, head_loss=o.head_loss,
-                       position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss, vocab=o.vocab)
+                       position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss, vocab=vocab)

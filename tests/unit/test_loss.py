@@ -1,6 +1,7 @@
 import contextlib
 import copy
 import functools
+import math
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -647,6 +648,37 @@ def test_restricted_head_is_the_softmax_over_its_rows(how, distill, monkeypatch)
         assert (hard < full).all()
     with pytest.raises(ValueError, match="not in the training vocabulary"):
         rows.labels(torch.tensor([2]))
+
+
+@pytest.mark.parametrize("how", ["fused", "checkpointed"])
+def test_sampled_rows_carry_the_rest_of_the_head(how):
+    """head_vocab=sampled: the data's rows plus k drawn from the rest, none twice, each
+    drawn logit raised by log(rest / k); loss and gradient are plain autograd's over
+    those biased logits. With every other row drawn the bias is 0 and the loss the full
+    head's."""
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(13, 16, generator=g).requires_grad_()
+    W = torch.randn(50, 16, generator=g)
+    vocab = torch.tensor([2, 3, 10, 40])
+    lab = vocab[torch.randint(0, 4, (13,), generator=g)]
+    rows = L.VocabRows.sampled(vocab, 50, 9, torch.Generator().manual_seed(0), "cpu")
+    assert torch.equal(rows.ids[:4], vocab) and len(set(rows.ids.tolist())) == 13
+    assert torch.equal(rows.bias, torch.cat([torch.zeros(4), torch.full((9,), math.log(46 / 9))]))
+    again = L.VocabRows.sampled(vocab, 50, 9, torch.Generator().manual_seed(0), "cpu")
+    assert torch.equal(again.ids, rows.ids)
+    loss, pred, _ = L.restricted_ce(h, W, lab, rows, how)
+    loss.sum().backward()
+    h2 = h.detach().clone().requires_grad_()
+    logits = h2 @ W[rows.ids].T + rows.bias
+    want = F.cross_entropy(logits, rows.labels(lab), reduction="none")
+    want.sum().backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-6 * float(h2.grad.abs().max()))
+    assert torch.equal(pred, rows.ids[logits.argmax(-1)])
+    every = L.VocabRows.sampled(vocab, 50, 1000, g, "cpu")
+    assert not every.bias.any()
+    torch.testing.assert_close(L.restricted_ce(h.detach(), W, lab, every, how)[0],
+                               F.cross_entropy(h.detach() @ W.T, lab, reduction="none"), rtol=1e-5, atol=1e-5)
 
 
 def test_restricted_head_in_the_block_loss(setup):
