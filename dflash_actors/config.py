@@ -179,6 +179,16 @@ class TrainConfig:
     epochs: int = checked(1, at_least(1))
     lr: float = checked(6e-4, above(0))
     warmup_ratio: float = checked(0.04, in_range(0, 1))
+    lr_schedule: Literal["cosine", "wsd"] = "cosine"
+    """After the warmup: ``cosine`` to 0 over the remaining steps; ``wsd``
+    (warmup-stable-decay) holds the peak and decays linearly to 0 over the last
+    ``decay_ratio`` of the steps, so a run sized to its time budget spends most of it
+    at full lr (``max_steps``)."""
+    decay_ratio: float = checked(0.2, in_range(0, 1))
+    max_steps: int = checked(0, at_least(0))
+    """Stop after this many optimizer steps (the LR schedule then spans them); 0 = every
+    step of ``epochs``. With ``epochs`` large enough it sizes a run to a time budget at a
+    measured step rate (``benchmarks/bench_real.py --fit-minutes``)."""
     weight_decay: float = checked(0.0, at_least(0))
     grad_clip: float = checked(1.0, above(0))
     grad_accum: int = checked(1, at_least(1))

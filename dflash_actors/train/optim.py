@@ -9,7 +9,8 @@ One step, from M drafter sums of A batches each::
     g /= A*M;  clip ||g|| to grad_clip;  AdamW step;  LR scheduler step
 
 The LR follows linear warmup over ``ceil(warmup_ratio * total)`` steps, then a cosine
-to 0. AdamW uses torch's default betas and eps.
+to 0, or (``train.lr_schedule: wsd``) the peak until the last ``ceil(decay_ratio *
+total)`` steps, which fall linearly to 0. AdamW uses torch's default betas and eps.
 
 A step whose summed gradient (or loss) is not finite is skipped: weights and moments
 stay as they are, while the LR schedule and AdamW's step counter still advance. The
@@ -30,16 +31,24 @@ def build_optimizer(params, train) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
 
 
-def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
-    """Multiplier of the base LR at ``step``: linear warmup, then cosine to 0."""
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, kind: str = "cosine",
+              decay_ratio: float = 0.2) -> float:
+    """Multiplier of the base LR at ``step``: linear warmup, then cosine to 0 (``kind``
+    cosine) or flat until the last ``ceil(decay_ratio * total)`` steps and linear to 0
+    over them (wsd)."""
     warmup = math.ceil(warmup_ratio * total_steps)
     if step < warmup:
         return (step + 1) / warmup
+    if kind == "wsd":
+        decay = math.ceil(decay_ratio * total_steps)
+        start = max(warmup, total_steps - decay)
+        return 1.0 if step < start else max(0.0, (total_steps - step) / max(1, total_steps - start))
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
 
 def build_scheduler(opt, train, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, train.warmup_ratio))
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, total_steps, train.warmup_ratio, train.lr_schedule, train.decay_ratio))
 
 
 def reduce_and_step(params: list[torch.Tensor], shard_grads: list[list[torch.Tensor]], opt, sched,

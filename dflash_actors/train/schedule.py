@@ -54,6 +54,14 @@ class Schedule:
         nodes, m = cfg.topology.nodes, cfg.topology.num_drafters
         per_all = cfg.train.grad_accum * m * nodes
         steps = tuple(n // per_all for n in batches)
+        if cfg.train.max_steps:     # cut at the cap; epochs left without a step are not part of the run
+            left, capped = cfg.train.max_steps, []
+            for n in steps:
+                if left == 0:
+                    break
+                capped.append(min(n, left))
+                left -= capped[-1]
+            steps = tuple(capped)
         if node is None or nodes == 1:
             return cls(per_all, m * nodes, steps)
         if not 0 <= node < nodes:

@@ -14,8 +14,9 @@ G1 = [0.3, -1.2, 2.0]
 G2 = [0.5, 0.4, -0.6]       # (G1 + G2) / 4 = [0.2, -0.2, 0.35], norm 0.45
 
 
-def _train(lr=0.1, weight_decay=0.01, warmup_ratio=0.0):
-    return SimpleNamespace(lr=lr, weight_decay=weight_decay, warmup_ratio=warmup_ratio)
+def _train(lr=0.1, weight_decay=0.01, warmup_ratio=0.0, lr_schedule="cosine", decay_ratio=0.2):
+    return SimpleNamespace(lr=lr, weight_decay=weight_decay, warmup_ratio=warmup_ratio, lr_schedule=lr_schedule,
+                           decay_ratio=decay_ratio)
 
 
 def _param(values=P0):
@@ -27,6 +28,26 @@ def _shards(scale, g1=G1, g2=G2):
 
 
 # -- lr schedule --------------------------------------------------------------
+
+
+def test_wsd_by_hand():
+    """10 steps, warmup 2 (0.2), decay the last 3 (ceil(0.25 * 10)): 0.5, 1 | 1 x 5 | 3/3 .. 1/3, then 0."""
+    got = [lr_factor(s, 10, 0.2, "wsd", 0.25) for s in range(11)]
+    assert got == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2 / 3, 1 / 3, 0.0])
+    assert [lr_factor(s, 4, 0.0, "wsd", 1.0) for s in range(4)] == pytest.approx([1.0, 0.75, 0.5, 0.25])
+    # A decay longer than what the warmup leaves starts right after the warmup.
+    assert [lr_factor(s, 4, 0.5, "wsd", 0.9) for s in range(4)] == pytest.approx([0.5, 1.0, 1.0, 0.5])
+
+
+def test_wsd_scheduler_follows_the_factor():
+    train = _train(lr=0.1, warmup_ratio=0.2, lr_schedule="wsd", decay_ratio=0.25)
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = build_optimizer([p], train)
+    sched = build_scheduler(opt, train, total_steps=10)
+    for step in range(10):
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * lr_factor(step, 10, 0.2, "wsd", 0.25), abs=1e-12)
+        opt.step()
+        sched.step()
 
 
 def test_lr_factor_by_hand():

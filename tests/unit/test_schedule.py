@@ -164,3 +164,15 @@ def test_a_drafters_last_batch_of_a_step_is_where_its_sum_is_complete():
     s = Schedule(per_step=6, num_drafters=2, steps_per_epoch=(2,))      # A=3, M=2
     assert [b for b in range(12) if s.is_last_for_drafter(b)] == [4, 5, 10, 11]
     assert all(s.is_last_for_drafter(s.drafter_batches(st, j)[-1]) for st in range(2) for j in range(2))
+
+
+@pytest.mark.parametrize("cap, steps", [(0, (4, 4, 4)), (9, (4, 4, 1)), (4, (4,)), (3, (3,)), (12, (4, 4, 4)),
+                                        (50, (4, 4, 4))])
+def test_max_steps_cuts_the_run_at_the_cap(cap, steps):
+    """train.max_steps: the first ``cap`` steps of the run, epoch by epoch; epochs left
+    with no step are not in it."""
+    cfg = _cfg().updated({"train.max_steps": cap})
+    sched = Schedule.from_config(cfg, np.full(32, 32, np.int32))
+    assert sched.steps_per_epoch == steps
+    assert sched.total_steps == min(cap or 12, 12)
+    assert sched.epoch_of_step(sched.total_steps - 1) == len(steps) - 1
