@@ -13,7 +13,8 @@ full step of an epoch are dropped, so every step sees exactly A*M batches. Every
 batch's loss uses the weights of the step it belongs to, and its anchors are seeded by
 ``(train.seed, e, i, row)``: that is all the state the actors need to agree on.
 With ``target.feature_cache`` on, batch b's features come from the same cache plan as
-the pipeline's (``train.feature_cache``), kept in this process's memory.
+the pipeline's (``train.feature_cache``), kept in this process's memory, or (``disk``) in
+the job's format under ``cache_root``, where a later reference maps them.
 """
 
 from __future__ import annotations
@@ -90,10 +91,12 @@ def _featured(schedule, plans, dataset, batch_ids, buf, target, cache, device, r
 
 
 def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = True,
-                    on_step=None) -> ReferenceResult:
+                    on_step=None, cache_root: str | Path | None = None) -> ReferenceResult:
     """Train a drafter in the exact order the actor pipeline follows (module docstring).
     ``on_step(step, drafter, target, metrics)``, if given, runs after each optimizer step
-    (the recipe bench measures held-out acceptance there); it must not change the drafter."""
+    (the recipe bench measures held-out acceptance there); it must not change the drafter.
+    With ``target.feature_cache: disk`` the features are kept under ``cache_root`` (default
+    ``run_dir``), as a job keeps them under its run directory."""
     torch.set_num_threads(cfg.train.num_threads)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     target = load_target(cfg, device)
@@ -110,8 +113,8 @@ def train_reference(cfg, run_dir: str | Path | None = None, progress: bool = Tru
     plans = Plans(cfg, dataset.lengths)
     cache = None
     if cfg.target.feature_cache != "off":
-        cache = feature_cache.in_process(cfg, dataset, plans, feature_width(cfg, target),
-                                         dtype_name(target.dtype))
+        cache = feature_cache.in_process(cfg, dataset, plans, feature_width(cfg, target), dtype_name(target.dtype),
+                                         cache_root if cache_root is not None else run_dir, target.layer_ids)
     buf = BatchBuffers.allocate(cfg.batching.token_budget, cfg.batching.max_samples)
     result = ReferenceResult(state_dict={})
     t0 = time.perf_counter()

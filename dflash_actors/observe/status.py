@@ -44,7 +44,7 @@ key to be missing, as files from older runs lack newer keys)::
     feature_cache       (the job's, with ``target.feature_cache`` on; ``FeatureCache.stats``)
                         {mode, samples_cached, samples, bytes, entries_present, batches,
                         forwards_skipped, samples_repeated, samples_served, misses,
-                        first_batches_recomputed, samples_stored, hit_rate, forward_s,
+                        first_batches_recomputed, samples_stored, samples_reused, hit_rate, forward_s,
                         forward_saved_s}
 """
 

@@ -15,7 +15,10 @@ cached until ``target.feature_cache_gb`` is used (tokens x width x element size)
 rest are computed in every batch that holds them.
 
 Run batch g (``FeatureCache.features``):
-  * cached samples with first(s) == g come out of g's forward and are stored;
+  * cached samples with first(s) == g come out of g's forward and are stored, unless
+    their entry is already present (a disk store kept from an earlier run, or a batch
+    run again after its writer stored it and died): then they are served like the rest
+    (``reused``), since the entry holds exactly the bits g's forward would give;
   * cached samples with first(s) < g are served from the store: a batch served
     entirely skips the target (the saving), otherwise its forward runs and their rows
     are replaced by the stored ones, so a batch's features never depend on timing;
@@ -65,11 +68,12 @@ HEADER = "header.json"
 FORMAT = 1
 
 COUNTERS = ("batches", "forwards", "forward_tokens", "forward_us", "skipped", "skipped_tokens", "repeats",
-            "served", "missed", "recomputed", "stored")
+            "served", "missed", "recomputed", "stored", "reused")
 """Per target, in the shared counter table: batches featured, target forwards run (a
 recompute included) with their tokens and microseconds, batches served without a
 forward and their tokens, samples seen before (``repeats``), served from a present entry
-(``served``) or after a recompute (``missed``), first batches recomputed, samples stored."""
+(``served``) or after a recompute (``missed``), first batches recomputed, samples stored,
+samples of their first batch served from an entry already present (``reused``)."""
 
 
 def check(cfg) -> None:
@@ -314,12 +318,16 @@ class FeatureCache:
         p, n = self.plan, np.zeros(len(COUNTERS), np.int64)
         slots, first = p.slot[ids], p.first[ids]
         starts, lens = cu[:-1], np.diff(cu)
+        present = self.store.present[np.maximum(slots, 0)] != 0
+        own = (slots >= 0) & (first == g)
         serve = (slots >= 0) & (first < g)
-        absent = serve & (self.store.present[np.maximum(slots, 0)] == 0)
+        absent = serve & ~present
         n[COUNTERS.index("batches")] = 1
         n[COUNTERS.index("repeats")] = int((first < g).sum())
         n[COUNTERS.index("served")] = int(serve.sum() - absent.sum())
         n[COUNTERS.index("missed")] = int(absent.sum())
+        n[COUNTERS.index("reused")] = int((own & present).sum())
+        serve |= own & present
         for h in np.unique(first[absent]):
             self._recompute(int(h), forward, n, midway)
         if serve.all():
@@ -336,7 +344,7 @@ class FeatureCache:
             o, m = offsets[slots[k]], lens[k]
             out[starts[k]:starts[k] + m].copy_(rows[o:o + m], non_blocking=True)
         if not serve.all():
-            own = (slots >= 0) & (first == g)
+            own &= ~present
             self._store(slots[own], out, starts[own], lens[own], n, midway)
         self.counts[writer] += torch.from_numpy(n)
         return out
@@ -389,7 +397,7 @@ class FeatureCache:
                 "entries_present": int(np.count_nonzero(self.store.present)),
                 "batches": c["batches"], "forwards_skipped": c["skipped"], "samples_repeated": c["repeats"],
                 "samples_served": c["served"], "misses": c["missed"], "first_batches_recomputed": c["recomputed"],
-                "samples_stored": c["stored"],
+                "samples_stored": c["stored"], "samples_reused": c["reused"],
                 "hit_rate": round(c["served"] / c["repeats"], 4) if c["repeats"] else None,
                 "forward_s": round(c["forward_us"] * 1e-6, 3),
                 "forward_saved_s": round(c["skipped_tokens"] * per_token, 3)}
@@ -432,15 +440,30 @@ def _plan(cfg, lengths: np.ndarray, plans: list[EpochPlan], schedule: Schedule, 
     return plan
 
 
-def in_process(cfg, dataset, plans: Plans, width: int, dtype: str) -> FeatureCache:
-    """A private in-memory cache for one process (the reference trainer)."""
+def in_process(cfg, dataset, plans: Plans, width: int, dtype: str, root: Optional[Path] = None,
+               layer_ids: Sequence[int] = ()) -> FeatureCache:
+    """The cache of one process (the reference trainer): private memory, or with
+    ``target.feature_cache: disk`` and a ``root``, the disk store under it, in the job's
+    format (a later run over the same data, target and plan maps it instead of running
+    the target again: the recipe bench shares one between its variants)."""
     check(cfg)
     all_plans = [plans[e] for e in range(cfg.train.epochs)]
     schedule = Schedule.from_epoch_sizes(cfg, [len(p) for p in all_plans], None)
     plan = _plan(cfg, dataset.lengths, all_plans, schedule, width, dtype)
     source = BatchSource(cfg, dataset.path, schedule, dataset, plans)
-    return FeatureCache("memory", plan, MemoryStore.allocate(plan, shared=False), source,
+    if cfg.target.feature_cache == "disk" and root is not None:
+        store, _ = DiskStore.open(Path(root) / CACHE_DIR, plan, _disk_header(cfg, dataset.path, plan, layer_ids))
+    else:
+        store = MemoryStore.allocate(plan, shared=False)
+    return FeatureCache(cfg.target.feature_cache if root is not None else "memory", plan, store, source,
                         torch.zeros(1, len(COUNTERS), dtype=torch.int64))
+
+
+def _disk_header(cfg, train_path: Path, plan: CachePlan, layer_ids: Sequence[int]) -> dict:
+    """What a disk store's rows were computed from; a store whose header differs is rebuilt."""
+    return {"format": FORMAT, "data": data_identity(cfg, train_path, plan.first.shape[0]),
+            "target": target_identity(cfg), "layer_ids": list(layer_ids), "dtype": plan.dtype,
+            "width": plan.width, "slots": plan.slots, "tokens": plan.tokens, "plan": plan.digest}
 
 
 def plan_job(cfg, lengths: np.ndarray, plan0: EpochPlan, width: int, dtype: str) -> tuple[CachePlan, Schedule]:
@@ -458,10 +481,7 @@ def open_job(cfg, plan: CachePlan, schedule: Schedule, train_path: Path, layer_i
     and the line to show when an old disk cache was discarded."""
     line = None
     if cfg.target.feature_cache == "disk":
-        header = {"format": FORMAT, "data": data_identity(cfg, train_path, plan.first.shape[0]),
-                  "target": target_identity(cfg), "layer_ids": list(layer_ids), "dtype": plan.dtype,
-                  "width": plan.width, "slots": plan.slots, "tokens": plan.tokens, "plan": plan.digest}
-        store, line = DiskStore.open(Path(run_dir) / CACHE_DIR, plan, header)
+        store, line = DiskStore.open(Path(run_dir) / CACHE_DIR, plan, _disk_header(cfg, train_path, plan, layer_ids))
     else:
         store = MemoryStore.allocate(plan)
     counts = torch.zeros(writers, len(COUNTERS), dtype=torch.int64).share_memory_()

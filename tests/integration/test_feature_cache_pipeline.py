@@ -127,3 +127,20 @@ def test_distillation_pipeline_with_kills_is_bit_identical_to_its_reference(cach
     assert_same_weights(final_weights(run), ref.state_dict)
     # Not the cross-entropy run: the loss learns the target's distribution.
     assert not np.allclose(ref.losses, reference(cfg.updated({"train.loss": "ce"})).losses)
+
+
+def test_reference_on_a_disk_cache_left_by_another_run_skips_the_target(cache_dir, tmp_path):
+    """The recipe bench's sharing: a one-epoch reference fills a disk store under its
+    cache root; a two-epoch reference (another schedule, the same first epoch) maps it,
+    runs no target forward at all, and ends bit for bit where the memory cache does."""
+    cfg = small_config(cache_dir, tmp_path / "ref", "1-1", "target.feature_cache=disk")
+    root = tmp_path / "shared"
+    first = train_reference(cfg.updated({"train.epochs": 1}), progress=False, cache_root=root)
+    assert first.feature_cache["forward_s"] > 0 and first.feature_cache["samples_reused"] == 0
+    assert (root / feature_cache.CACHE_DIR / feature_cache.DiskStore.FLAGS).is_file()
+    again = train_reference(cfg, progress=False, cache_root=root)
+    st = again.feature_cache
+    assert st["mode"] == "disk" and st["forward_s"] == 0 and st["first_batches_recomputed"] == 0
+    assert st["samples_reused"] == st["samples_cached"] == st["samples"]
+    assert again.losses == reference(cfg).losses
+    assert_same_weights(again.state_dict, reference(cfg).state_dict)
