@@ -19,6 +19,12 @@ Kill-safe: prompts are cut into fixed shards; each finished shard is written to
 ``OUT.partial/`` atomically, and a rerun with the same settings skips finished shards,
 so nothing is generated twice or lost. Sampling is seeded per shard, so a resumed run
 writes what an uninterrupted one would have.
+
+``--samples-per-prompt K`` (sampled, ``--temperature`` > 0) makes K rows of each prompt,
+row ``p*K + j``. ``--server URL`` generates through OpenAI-compatible servers instead of
+the target loaded here (``serving.py``: token-exact where the server returns token ids,
+concurrent, resumable row by row); ``--check N`` measures how far such a server's
+greedy text agrees with the in-process engine's on the first N prompts.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from ..data.synthetic import flatten, train_path, write_token_dataset
 from ..models.target import ensure_target, load_target, resolve_target_dir
 from ..runtime.files import write_atomically
 from .generate import InProcessEngine, SamplingSettings
+from .serving import ServerEngine, ServerFailed, ServerSettings, agreement, probe, served_stop_ids
 
 EXIT_USAGE = 2
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -118,14 +125,18 @@ def template_settings(tokenizer, enable_thinking: bool = False, system_prompt: s
     return TemplateSettings(enable_thinking, system_prompt, sha)
 
 
-def encode_prompt(tokenizer, messages: list[dict], settings: TemplateSettings) -> list[int]:
-    """Token ids of ``messages`` followed by the assistant's turn header."""
+def render_prompt(tokenizer, messages: list[dict], settings: TemplateSettings) -> str:
+    """The text of ``messages`` followed by the assistant's turn header, as templated here."""
     if settings.system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": settings.system_prompt}, *messages]
     # Templates without a thinking switch ignore the extra variable.
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=settings.enable_thinking)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_prompt(tokenizer, messages: list[dict], settings: TemplateSettings) -> list[int]:
+    """Token ids of ``messages`` followed by the assistant's turn header."""
+    return tokenizer(render_prompt(tokenizer, messages, settings), add_special_tokens=False)["input_ids"]
 
 
 def read_metadata(dataset_dir: str | Path) -> dict | None:
@@ -147,42 +158,114 @@ def _manifest(target: str, prompts_path: Path, n_prompts: int, shard_size: int, 
 def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_opts: dict | None = None,
             sampling: SamplingSettings = SamplingSettings(), batch_size: int = 16, shard_size: int = 64,
             limit: int | None = None, cache_dir: str = ".cache", device: str = "auto",
-            threads: int | None = None, progress: bool = True) -> Path:
-    """Regenerate the responses to ``prompts_path`` with ``target`` into dataset ``out``."""
+            threads: int | None = None, progress: bool = True, samples_per_prompt: int = 1,
+            server: ServerSettings | None = None) -> Path:
+    """Regenerate the responses to ``prompts_path`` with ``target`` (or ``server``) into dataset ``out``."""
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     out, prompts_path = Path(out), Path(prompts_path)
-    _check_settings(out, batch_size, shard_size, sampling)
+    _check_settings(out, batch_size, shard_size, sampling, samples_per_prompt, server)
     messages = read_prompts(prompts_path)[:limit]
     target_dir = resolve_target_dir(target, None, cache_dir)
     tokenizer = load_tokenizer(target_dir)
     template = template_settings(tokenizer, **(template_opts or {}))
-    encoded = [encode_prompt(tokenizer, m, template) for m in messages]
+    texts = [render_prompt(tokenizer, m, template) for m in messages]
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     prompts_sha = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()[:16]
     manifest = _manifest(target, prompts_path, len(encoded), shard_size, template, sampling, prompts_sha)
+    # Keys only where they differ from the in-process default, so partial runs of that
+    # default made before them resume.
+    if samples_per_prompt > 1:
+        manifest["samples_per_prompt"] = samples_per_prompt
+    k = samples_per_prompt
+    rows, row_texts = [encoded[r // k] for r in range(len(encoded) * k)], [texts[r // k] for r in range(len(texts) * k)]
+    found = probe(server, rows[0], row_texts[0]) if server else None      # before anything is written
+    if found:
+        manifest["engine"] = found.manifest()
     partial = _partial_dir(out, manifest)
-    shards = [range(lo, min(len(encoded), lo + shard_size)) for lo in range(0, len(encoded), shard_size)]
+    shards = [range(lo, min(len(rows), lo + shard_size)) for lo in range(0, len(rows), shard_size)]
     paths = [partial / f"shard-{s:05d}.npz" for s in range(len(shards))]
     todo = [s for s, path in enumerate(paths) if not path.is_file()]
     if threads:
         torch.set_num_threads(threads)
-    bar = tqdm(total=len(encoded), initial=len(encoded) - sum(len(shards[s]) for s in todo),
+    bar = tqdm(total=len(rows), initial=len(rows) - sum(len(shards[s]) for s in todo),
                desc="prepare", unit="completion", disable=not progress, dynamic_ncols=True)
-    if todo:
+    extra = {}
+    if found:
+        gen = ServerEngine(server, found, tokenizer, served_stop_ids(tokenizer, target_dir), sampling, rows,
+                           row_texts, [(s, shards[s]) for s in todo], bar, journal=partial)
+    elif todo:
         gen = InProcessEngine(target_dir, tokenizer, sampling, batch_size, device, bar)
+    try:
         for s in todo:
-            write_atomically(paths[s], lambda path, s=s: _save_shard(path, *gen.shard(encoded, shards[s], s)))
+            write_atomically(paths[s], lambda path, s=s: _save_shard(path, *gen.shard(rows, shards[s], s)))
+    finally:
+        if found:
+            gen.close()
+        bar.close()
+    if found:
+        extra["engine"] = gen.report()
+    return _assemble(out, partial, paths, {**manifest, "target_dir": str(target_dir), **extra}, len(tokenizer))
+
+
+def check(target: str, prompts_path: str | Path, n: int, server: ServerSettings, *, template_opts: dict | None = None,
+          sampling: SamplingSettings = SamplingSettings(), batch_size: int = 16, cache_dir: str = ".cache",
+          device: str = "auto", threads: int | None = None, progress: bool = True) -> dict:
+    """How far ``server``'s greedy completions of the first ``n`` prompts agree with the
+    in-process engine's (``serving.agreement``); nothing is written."""
+    from tqdm import tqdm
+
+    if n < 1 or sampling.temperature != 0:
+        raise PrepareError(f"--check measures greedy agreement on N >= 1 prompts "
+                           f"(got N = {n}, --temperature {sampling.temperature})")
+    _check_settings(None, batch_size, 1, sampling, 1, server)
+    messages = read_prompts(prompts_path)[:n]
+    target_dir = resolve_target_dir(target, None, cache_dir)
+    tokenizer = load_tokenizer(target_dir)
+    template = template_settings(tokenizer, **(template_opts or {}))
+    texts = [render_prompt(tokenizer, m, template) for m in messages]
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    found = probe(server, encoded[0], texts[0])
+    if threads:
+        torch.set_num_threads(threads)
+    members = range(len(encoded))
+    bar = tqdm(total=2 * len(encoded), desc="check", unit="completion", disable=not progress, dynamic_ncols=True)
+    gen = ServerEngine(server, found, tokenizer, served_stop_ids(tokenizer, target_dir), sampling, encoded, texts,
+                       [(0, members)], bar)
+    try:
+        _, served, _ = gen.shard(encoded, members, 0)
+    finally:
+        gen.close()
+    _, local, _ = InProcessEngine(target_dir, tokenizer, sampling, batch_size, device, bar).shard(encoded, members, 0)
     bar.close()
-    return _assemble(out, partial, paths, {**manifest, "target_dir": str(target_dir)}, len(tokenizer))
+    report = gen.report()
+    result = agreement([s[len(p):].tolist() for s, p in zip(served, encoded)],
+                       [s[len(p):].tolist() for s, p in zip(local, encoded)], tokenizer)
+    return {**result, "server": report["servers"], "model": report["model"], "path": report["path"],
+            "retokenize_mismatch": report["retokenize_mismatch"], "truncated": report["truncated"],
+            "max_new_tokens": sampling.max_new_tokens}
 
 
-def _check_settings(out: Path, batch_size: int, shard_size: int, sampling: SamplingSettings) -> None:
-    if (out / "state.json").is_file():
+def _check_settings(out: Path | None, batch_size: int, shard_size: int, sampling: SamplingSettings,
+                    samples_per_prompt: int, server: ServerSettings | None) -> None:
+    if out is not None and (out / "state.json").is_file():
         raise PrepareError(f"--out: {out} already holds a dataset (remove it to regenerate)")
-    if batch_size < 1 or shard_size < 1 or sampling.max_new_tokens < 1:
-        raise PrepareError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
+    if batch_size < 1 or shard_size < 1 or sampling.max_new_tokens < 1 or samples_per_prompt < 1:
+        raise PrepareError("--batch-size, --shard-size, --max-new-tokens and --samples-per-prompt must be >= 1")
+    if samples_per_prompt > 1 and sampling.temperature == 0:
+        raise PrepareError(f"--samples-per-prompt {samples_per_prompt} needs --temperature > 0 "
+                           "(greedy copies of a prompt would all be the same)")
+    if server is not None:
+        if server.concurrency < 1 or server.retries < 0 or not server.request_timeout_s > 0:
+            raise PrepareError(f"--concurrency must be >= 1, --retries >= 0 and --request-timeout > 0 (got "
+                               f"{server.concurrency}, {server.retries}, {server.request_timeout_s})")
+        if not 0 <= server.max_retokenize_mismatch <= 1:
+            raise PrepareError(f"--max-retokenize-mismatch must be in [0, 1] (got {server.max_retokenize_mismatch})")
+        if sampling.dtype != "auto":
+            raise PrepareError(f"--dtype {sampling.dtype}: the in-process engine's; with --server the server "
+                               "chooses its own")
     if sampling.dtype not in DTYPES:
         raise PrepareError(f"--dtype must be one of {', '.join(DTYPES)} (got {sampling.dtype!r})")
     if not (sampling.temperature >= 0 and 0 < sampling.top_p <= 1):
@@ -300,11 +383,33 @@ def template_opts(args: argparse.Namespace) -> dict:
     return {"enable_thinking": args.thinking == "on", "system_prompt": args.system_prompt}
 
 
+SERVER_DEFAULTS = ServerSettings(urls=())
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings | None:
+    """The ``--server`` options as settings (None without ``--server``); the other
+    serving options given without it are an error."""
+    given = {"--server-model": args.server_model, "--concurrency": args.concurrency,
+             "--request-timeout": args.request_timeout, "--retries": args.retries,
+             "--max-retokenize-mismatch": args.max_retokenize_mismatch}
+    if not args.server:
+        if any(v is not None for v in given.values()) or args.check is not None:
+            flag = next(k for k, v in given.items() if v is not None) if args.check is None else "--check"
+            raise PrepareError(f"{flag} applies to the serving engine: add --server URL")
+        return None
+    d = SERVER_DEFAULTS
+    pick = (lambda v, default: default if v is None else v)
+    return ServerSettings(tuple(args.server), args.server_model, pick(args.concurrency, d.concurrency),
+                          pick(args.request_timeout, d.request_timeout_s), pick(args.retries, d.retries),
+                          pick(args.max_retokenize_mismatch, d.max_retokenize_mismatch))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="launch.py prepare", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", required=True, help="HF model directory, GGUF directory, or pkg:NAME")
+    ap.add_argument("--target", required=True, help="HF model directory, GGUF directory, or pkg:NAME (with "
+                    "--server: its tokenizer and chat template, and the stop tokens of its generation config)")
     ap.add_argument("--prompts", required=True, help="JSONL chat prompts or plain text lines")
-    ap.add_argument("--out", required=True, help="dataset directory to write")
+    ap.add_argument("--out", help="dataset directory to write (not with --check)")
     add_template_args(ap)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -318,19 +423,59 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", default=".cache", help="where GGUF targets are converted once")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, help="torch CPU threads")
+    ap.add_argument("--samples-per-prompt", type=int, default=1, metavar="K",
+                    help="K sampled rows per prompt (needs --temperature > 0)")
+    d = SERVER_DEFAULTS
+    srv = ap.add_argument_group("serving engine: OpenAI-compatible servers instead of the target loaded here")
+    srv.add_argument("--server", action="append", metavar="URL",
+                     help="a server's base URL (vLLM, SGLang, transformers serve, llama.cpp); repeat it for "
+                          "several, used round-robin")
+    srv.add_argument("--server-model", metavar="NAME", help="the model to ask for, when a server lists several")
+    srv.add_argument("--concurrency", type=int, metavar="N", help=f"requests in flight per server ({d.concurrency})")
+    srv.add_argument("--request-timeout", type=float, metavar="S",
+                     help=f"seconds without an answer before a request is retried ({d.request_timeout_s:.0f})")
+    srv.add_argument("--retries", type=int, metavar="N", help=f"retries of a request after a timeout, a dropped "
+                     f"connection, 408, 429 or 5xx, with exponential backoff ({d.retries}); other 4xx fail at once")
+    srv.add_argument("--max-retokenize-mismatch", type=float, metavar="F",
+                     help=f"servers without token ids: the share of rows allowed to re-tokenize unlike what the "
+                          f"server generated ({d.max_retokenize_mismatch}); more, and the dataset is refused")
+    srv.add_argument("--check", type=int, metavar="N",
+                     help="write nothing: print how far the server's greedy text of the first N prompts agrees "
+                          "with the in-process engine's (exact-match rate, mean agreed prefix)")
     args = ap.parse_args(argv)
     sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed, args.dtype)
     t = time.perf_counter()
     try:
+        server = server_settings(args)
+        if args.check is not None:
+            result = check(args.target, args.prompts, args.check, server, template_opts=template_opts(args),
+                           sampling=sampling, batch_size=args.batch_size, cache_dir=args.cache_dir,
+                           device=args.device, threads=args.threads)
+            print(f"check: {result['exact_match']:.0%} of {result['prompts']} greedy completions identical, "
+                  f"mean agreed prefix {result['mean_agreed_prefix']:.1f} of {result['mean_inprocess_tokens']:.1f} "
+                  f"tokens ({result['path']} path)")
+            print(json.dumps(result))
+            return 0
+        if args.out is None:
+            raise PrepareError("--out: the dataset directory to write is required (unless --check)")
         out = prepare(args.target, args.prompts, args.out, template_opts=template_opts(args), sampling=sampling,
                       batch_size=args.batch_size, shard_size=args.shard_size, limit=args.limit,
-                      cache_dir=args.cache_dir, device=args.device, threads=args.threads)
-    except ValueError as e:      # PrepareError, and the target's own resolution errors
+                      cache_dir=args.cache_dir, device=args.device, threads=args.threads,
+                      samples_per_prompt=args.samples_per_prompt, server=server)
+    except ValueError as e:      # PrepareError, a server unusable, the target's own resolution errors
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except ServerFailed as e:
+        print(f"error: {e}; the rows done are kept: rerun to go on", file=sys.stderr)
+        return 1
     meta = read_metadata(out)
-    print(f"prepare: {meta['completions']} completions, {meta['generated_tokens']} generated tokens "
-          f"in {time.perf_counter() - t:.0f} s -> {out}")
+    line = (f"prepare: {meta['completions']} completions, {meta['generated_tokens']} generated tokens "
+            f"in {time.perf_counter() - t:.0f} s -> {out}")
+    if "engine" in meta:
+        e = meta["engine"]
+        line += (f" ({e['path']} path; {e['truncated']} truncated at --max-new-tokens, "
+                 f"{e['retokenize_mismatch']} re-tokenized unlike the server)")
+    print(line)
     return 0
 
 
