@@ -13,7 +13,9 @@ simulated tau on the same text. Prints one JSON line; the prepared data are kept
 ``.cache`` and reused: ``prepare_minutes`` is what this run spent preparing, and
 ``journey_minutes`` counts the preparation's minutes as first measured (kept beside the
 prepared folder), so a reused cache does not make the journey look shorter than it is.
-``--steps`` sizes the epochs so training runs at least that many optimizer steps;
+``--steps N`` trains exactly N optimizer steps (``train.max_steps``, the epochs sized to
+hold them), so the LR schedule ends where training does: sized from a measured step
+rate, it fits the training minutes;
 ``--prompts`` regenerates only the first N training prompts (its own ``.cache`` folder);
 ``--samples-per-prompt K --temperature T`` samples K responses to each instead of one
 greedy one (more data from the same prompts, its own ``.cache`` folder). ``--dtype
@@ -99,7 +101,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--run-dir", help="evaluate this finished run instead of training a new one")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, help="train at least this many optimizer steps (sizes train.epochs)")
+    ap.add_argument("--steps", type=int, help="train exactly this many optimizer steps (train.max_steps; "
+                    "sizes train.epochs to hold them)")
     ap.add_argument("--prompts", type=int, help="regenerate only the first N training prompts")
     ap.add_argument("--samples-per-prompt", type=int, default=1,
                     help="responses regenerated per training prompt (more than 1 needs --temperature)")
@@ -149,9 +152,9 @@ def main(argv=None) -> dict:
         from dflash_actors.data.dataset import open_dataset
         from dflash_actors.train.schedule import Schedule
 
-        per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1}),
+        per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1, "train.max_steps": 0}),
                                          open_dataset(cfg.data, progress=False).lengths).total_steps
-        overrides.append(f"train.epochs={-(-args.steps // per_epoch)}")
+        overrides += [f"train.epochs={-(-args.steps // per_epoch)}", f"train.max_steps={args.steps}"]
         cfg = load_config(CONFIG, overrides, topology=args.topology)
     if args.run_dir:
         run_dir, minutes, how = Path(args.run_dir), None, "evaluated an earlier run"
@@ -194,12 +197,16 @@ def main(argv=None) -> dict:
                    for k, v in res.items()},
            "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": str(run_dir),
            "recipe": {"init": cfg.drafter.init, "position_weight": cfg.train.position_weight, "loss": cfg.train.loss,
-                      "head_loss": cfg.train.head_loss, "num_anchors": cfg.train.num_anchors, "lr": cfg.train.lr,
+                      "head_loss": cfg.train.head_loss, "head_vocab": cfg.train.head_vocab,
+                      "num_anchors": cfg.train.num_anchors, "lr": cfg.train.lr, "warmup_ratio": cfg.train.warmup_ratio,
+                      "lr_schedule": cfg.train.lr_schedule, "max_steps": cfg.train.max_steps,
                       "epochs": cfg.train.epochs, "layers": cfg.drafter.num_layers, "block": cfg.drafter.block_size,
                       "topology": args.topology, "samples_per_prompt": args.samples_per_prompt,
                       "temperature": args.temperature, "target_dtype": cfg.target.dtype,
                       "compute_dtype": cfg.train.compute_dtype},
-           "prepare_minutes": round(meta["minutes"] + held["minutes"], 1)}
+           "prepare_minutes": round(meta["minutes"] + held["minutes"], 1),
+           "prepare_tok_s": round(meta["generated_tokens"] / (60 * (meta["first_minutes"] or meta["minutes"])), 1),
+           "prepare_batching": meta["sampling"].get("batching", "fixed")}
     firsts = [m["first_minutes"] for m in (meta, held)]
     if None in firsts:
         # A cache made before its minutes were kept: the journey can only count this run's.
