@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,serving]"
 	touch $(STAMP)
 
 # Each demo gets its own run directory, so it can be run again (or killed and resumed

@@ -35,7 +35,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -181,7 +181,8 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
         manifest["samples_per_prompt"] = samples_per_prompt
     k = samples_per_prompt
     rows, row_texts = [encoded[r // k] for r in range(len(encoded) * k)], [texts[r // k] for r in range(len(texts) * k)]
-    found = probe(server, rows[0], row_texts[0]) if server else None      # before anything is written
+    # Before anything is written. top_k matters only to sampling.
+    found = probe(server, rows[0], row_texts[0], sampling.top_k if sampling.temperature > 0 else 0) if server else None
     if found:
         manifest["engine"] = found.manifest()
     partial = _partial_dir(out, manifest)
@@ -228,6 +229,7 @@ def check(target: str, prompts_path: str | Path, n: int, server: ServerSettings,
     texts = [render_prompt(tokenizer, m, template) for m in messages]
     encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     found = probe(server, encoded[0], texts[0])
+    server = replace(server, max_retokenize_mismatch=1.0)        # measured here, never refused
     if threads:
         torch.set_num_threads(threads)
     members = range(len(encoded))

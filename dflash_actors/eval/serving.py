@@ -176,6 +176,8 @@ class Probe:
     endpoints: tuple[Endpoint, ...]
     model: str
     token_ids: bool
+    top_k: bool = False
+    """Whether ``top_k`` is sent (sampling with top-k, and every server takes the field)."""
 
     @property
     def path(self) -> str:
@@ -184,15 +186,16 @@ class Probe:
     def manifest(self) -> dict:
         """What a rerun must find again to add rows to the same dataset (not the URLs:
         a resumed run may use other servers of the same model)."""
-        return {"kind": "server", "model": self.model, "path": self.path}
+        return {"kind": "server", "model": self.model, "path": self.path, "top_k_sent": self.top_k}
 
 
-def probe(settings: ServerSettings, prompt_ids: list[int], prompt_text: str) -> Probe:
+def probe(settings: ServerSettings, prompt_ids: list[int], prompt_text: str, top_k: int = 0) -> Probe:
     """Every server must list the model and answer a one-token completion; the token-id
-    path is taken when all of them also return token ids for a token-id prompt.
+    path is taken when all of them also return token ids for a token-id prompt, and
+    ``top_k`` (not OpenAI's: vLLM and SGLang take it) is sent when all take it.
     Raises ``ServerUnusable`` naming the URL and what failed."""
     endpoints = tuple(Endpoint(u, settings.request_timeout_s) for u in settings.urls)
-    model, token_ids = settings.model, True
+    model, token_ids, takes_top_k = settings.model, True, top_k > 0
     for ep in endpoints:
         try:
             listed = [m["id"] for m in ep.call("GET", "/v1/models")["data"]]
@@ -214,17 +217,26 @@ def probe(settings: ServerSettings, prompt_ids: list[int], prompt_text: str) -> 
         except (_HTTPFailure, _Unusable, *TRANSPORT_ERRORS) as e:
             raise ServerUnusable(f"--server {ep.url}: a one-token completion of {model!r} failed: "
                                  f"{first_line(e)}") from None
-        try:
-            got = _choice(ep.call("POST", "/v1/completions", {"model": model, "prompt": prompt_ids, "max_tokens": 1,
-                                                              "temperature": 0, "return_token_ids": True}))
-            token_ids &= isinstance(got.get("token_ids"), list)
-        except _HTTPFailure as e:
-            if not 400 <= e.status < 500:
-                raise ServerUnusable(f"--server {ep.url}: a token-id prompt failed: {first_line(e)}") from None
-            token_ids = False      # a strict server refusing the unknown field: the text path
-        except (_Unusable, *TRANSPORT_ERRORS) as e:
-            raise ServerUnusable(f"--server {ep.url}: a token-id prompt failed: {first_line(e)}") from None
-    return Probe(endpoints, model, token_ids)
+        token_ids &= _accepts(ep, {"model": model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0,
+                                   "return_token_ids": True}, "token_ids", "a token-id prompt")
+        if takes_top_k:
+            takes_top_k = _accepts(ep, {"model": model, "prompt": prompt_text, "max_tokens": 1, "temperature": 1,
+                                        "top_k": top_k}, None, "a top_k request")
+    return Probe(endpoints, model, token_ids, takes_top_k)
+
+
+def _accepts(ep: Endpoint, body: dict, wanted: str | None, what: str) -> bool:
+    """Whether ``ep`` answers ``body`` (with the choice field ``wanted``): False where it
+    refuses the request (4xx: a strict server and a field it does not know)."""
+    try:
+        got = _choice(ep.call("POST", "/v1/completions", body))
+        return wanted is None or isinstance(got.get(wanted), list)
+    except _HTTPFailure as e:
+        if 400 <= e.status < 500:
+            return False
+        raise ServerUnusable(f"--server {ep.url}: {what} failed: {first_line(e)}") from None
+    except (_Unusable, *TRANSPORT_ERRORS) as e:
+        raise ServerUnusable(f"--server {ep.url}: {what} failed: {first_line(e)}") from None
 
 
 def _choice(answer: dict) -> dict:
@@ -325,7 +337,7 @@ class ServerEngine:
         for r in mismatched:
             reasons[self.flags[r][1]] = reasons.get(self.flags[r][1], 0) + 1
         return {"kind": "server", "servers": [ep.url for ep in self.probe.endpoints], "model": self.probe.model,
-                "path": self.probe.path, "concurrency": self.settings.concurrency,
+                "path": self.probe.path, "top_k_sent": self.probe.top_k, "concurrency": self.settings.concurrency,
                 "request_timeout_s": self.settings.request_timeout_s, "retries": self.settings.retries,
                 "truncated": sum(f[0] == "length" for _, f in flags),
                 "truncated_rows": [r for r, f in flags if f[0] == "length"],
@@ -365,6 +377,8 @@ class ServerEngine:
         s = self.sampling
         body = {"model": self.probe.model, "max_tokens": s.max_new_tokens, "temperature": s.temperature,
                 "top_p": s.top_p, "seed": (s.seed * 1_000_003 + row) % 2**31}
+        if self.probe.top_k and s.temperature > 0:
+            body["top_k"] = s.top_k
         if self.probe.token_ids:
             body |= {"prompt": self.rows[row], "return_token_ids": True}
         else:

@@ -128,6 +128,11 @@ def test_a_strict_server_gets_the_text_path_and_never_the_vendor_field_again(cha
     stopped = [i for i, w in enumerate(want) if w[-1] == EOS]
     assert engine["end_token_appended"] == len(stopped) and 0 < len(stopped) < len(PROMPTS)
     assert engine["truncated_rows"] == [i for i in range(len(PROMPTS)) if i not in stopped]
+    # Sampling's top_k is not OpenAI's: a strict server never gets it either (its own default applies).
+    with stub_of(chat, strict=True) as stub:
+        out = run(chat, tmp_path / "sampled", stub.url, limit=2, sampling=SamplingSettings(temperature=0.7))
+    assert not read_metadata(out)["engine"]["top_k_sent"] and len(stub.row_requests()) == 2
+    assert not any("top_k" in r or "return_token_ids" in r for r in stub.row_requests())
 
 
 def test_faults_are_retried_with_backoff_and_leave_the_data_unchanged(chat, tmp_path):
@@ -231,6 +236,7 @@ def test_a_killed_prepare_resumes_by_row_id_asking_only_for_rows_missing(chat, t
             f.write('{"row": 1, "ids": [5, ')          # a line the kill cut short
         before = len(stub.row_requests())
         assert main(cmd[3:]) == 0
+        assert all(r["top_k"] == 50 and r["temperature"] == 0.8 for r in stub.row_requests())
         rerun = {r["seed"] for r in stub.row_requests()[before:]}       # seed = row id with --seed 0
         assert rerun and not rerun & answered and rerun | answered == set(range(2 * len(PROMPTS)))
         clean = run(chat, tmp_path / "clean", stub.url, samples_per_prompt=2,
