@@ -322,6 +322,8 @@ class ServerEngine:
         if self.journal is not None:
             flags = {str(r): self.flags[r] for r in order}
             write_atomically(self.journal / f"flags-{s:05d}.json", lambda p: p.write_text(json.dumps(flags)))
+            if s in self._files:        # complete: the next shard's _tidy drops it once the shard is on disk
+                self._files.pop(s).close()
         for r in order:
             self.done.pop(r)
             if r in self._slotted:
