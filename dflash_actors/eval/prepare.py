@@ -193,7 +193,6 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
         torch.set_num_threads(threads)
     bar = tqdm(total=len(rows), initial=len(rows) - sum(len(shards[s]) for s in todo),
                desc="prepare", unit="completion", disable=not progress, dynamic_ncols=True)
-    extra = {}
     if found:
         gen = ServerEngine(server, found, tokenizer, served_stop_ids(tokenizer, target_dir), sampling, rows,
                            row_texts, [(s, shards[s]) for s in todo], bar, journal=partial)
@@ -206,9 +205,10 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
         if found:
             gen.close()
         bar.close()
+    meta = {**manifest, "target_dir": str(target_dir)}
     if found:
-        extra["engine"] = gen.report()
-    return _assemble(out, partial, paths, {**manifest, "target_dir": str(target_dir), **extra}, len(tokenizer))
+        meta["engine"] = gen.report()
+    return _assemble(out, partial, paths, meta, len(tokenizer))
 
 
 def check(target: str, prompts_path: str | Path, n: int, server: ServerSettings, *, template_opts: dict | None = None,

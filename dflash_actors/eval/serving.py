@@ -335,16 +335,13 @@ class ServerEngine:
         """What ``prepare.json`` records: the servers, the path, and the rows' flags."""
         flags = sorted(self.flags.items())
         mismatched = [r for r, f in flags if f[1]]
-        reasons: dict[str, int] = {}
-        for r in mismatched:
-            reasons[self.flags[r][1]] = reasons.get(self.flags[r][1], 0) + 1
         return {"kind": "server", "servers": [ep.url for ep in self.probe.endpoints], "model": self.probe.model,
                 "path": self.probe.path, "top_k_sent": self.probe.top_k, "concurrency": self.settings.concurrency,
                 "request_timeout_s": self.settings.request_timeout_s, "retries": self.settings.retries,
                 "truncated": sum(f[0] == "length" for _, f in flags),
                 "truncated_rows": [r for r, f in flags if f[0] == "length"],
                 "retokenize_mismatch": len(mismatched), "retokenize_mismatch_rows": mismatched,
-                "mismatch_reasons": reasons, "max_retokenize_mismatch": self.settings.max_retokenize_mismatch,
+                "mismatch_reasons": self._reasons(), "max_retokenize_mismatch": self.settings.max_retokenize_mismatch,
                 "end_token_appended": sum(bool(f[2]) for _, f in flags), "retried_requests": self.retried}
 
     def close(self) -> None:
@@ -468,19 +465,21 @@ class ServerEngine:
         allowed = self.settings.max_retokenize_mismatch * len(self.rows)
         if bad > allowed:
             self.close()
+            why = ", ".join(f"{k}: {v}" for k, v in self._reasons().items())
             raise DatasetRefused(
                 f"--max-retokenize-mismatch: {bad} of {len(self.rows)} rows ({bad / len(self.rows):.1%}) disagree "
-                f"with the tokens the server generated (allowed {self.settings.max_retokenize_mismatch:.1%}; "
-                f"{self._reasons()}); the {self.probe.path} path was used: a server that returns token ids "
-                "(vLLM, SGLang) avoids re-tokenizing; the rows done are kept, so a rerun with a higher "
-                "--max-retokenize-mismatch accepts them")
+                f"with the tokens the server generated (allowed {self.settings.max_retokenize_mismatch:.1%}; {why}); "
+                f"the {self.probe.path} path was used: a server that returns token ids (vLLM, SGLang) avoids "
+                "re-tokenizing; the rows done are kept, so a rerun with a higher --max-retokenize-mismatch "
+                "accepts them")
 
-    def _reasons(self) -> str:
+    def _reasons(self) -> dict[str, int]:
+        """How many rows disagree, by reason (``prompt``, ``decode``, ``count``)."""
         counts: dict[str, int] = {}
         for f in self.flags.values():
             if f[1]:
                 counts[f[1]] = counts.get(f[1], 0) + 1
-        return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+        return dict(sorted(counts.items()))
 
     # -- the journal
 
