@@ -180,9 +180,9 @@ def test_a_killed_prepare_through_the_server_resumes_by_row_id(chat, served, tmp
     target, _ = chat
     prompts = tmp_path / "more.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Tell me about {i}."}]}) + "\n"
-                               for i in range(24)))
+                               for i in range(16)))
     cmd = [sys.executable, str(ROOT / "launch.py"), "prepare", "--target", str(target), "--prompts", str(prompts),
-           "--out", str(tmp_path / "killed"), "--server", served.url, "--max-new-tokens", "48", "--shard-size", "4",
+           "--out", str(tmp_path / "killed"), "--server", served.url, "--max-new-tokens", "32", "--shard-size", "4",
            "--concurrency", "1", "--max-retokenize-mismatch", "1", "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -196,7 +196,7 @@ def test_a_killed_prepare_through_the_server_resumes_by_row_id(chat, served, tmp
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "text path" in r.stdout and not partial.exists()
-    clean = prepare(str(target), prompts, tmp_path / "clean", sampling=SamplingSettings(max_new_tokens=48),
+    clean = prepare(str(target), prompts, tmp_path / "clean", sampling=SamplingSettings(max_new_tokens=32),
                     shard_size=4, progress=False, threads=1,
                     server=ServerSettings((served.url,), concurrency=3, max_retokenize_mismatch=1.0))
     assert rows_of(tmp_path / "killed") == rows_of(clean)

@@ -153,13 +153,13 @@ def test_a_client_error_fails_at_once_and_spent_retries_name_the_server(chat, tm
         with pytest.raises(ServerFailed, match=r"HTTP 400 \(injected 400\) \(a client error: not retried\)"):
             run(chat, tmp_path / "ds", stub.url, server={"concurrency": 1})
         assert len(stub.row_requests()) == 1
-        stub.faults = ["500"] * 3
+        stub.faults = ["500"] * 2
         argv = ["--target", str(target), "--prompts", str(prompts), "--out", str(tmp_path / "ds"), "--server",
-                stub.url, "--max-new-tokens", "12", "--shard-size", "3", "--concurrency", "1", "--retries", "2",
+                stub.url, "--max-new-tokens", "12", "--shard-size", "3", "--concurrency", "1", "--retries", "1",
                 "--threads", "1"]
         assert main(argv) == 1
         err = capsys.readouterr().err.strip().splitlines()[-1]
-        assert err.startswith(f"error: --server {stub.url}: row 0 failed 3 times (--retries 2); last: HTTP 500")
+        assert err.startswith(f"error: --server {stub.url}: row 0 failed 2 times (--retries 1); last: HTTP 500")
         assert "rerun to go on" in err and (tmp_path / "ds.partial").is_dir()
         assert main(argv) == 0          # the same command, the server well again
         clean = run(chat, tmp_path / "clean", stub.url)
