@@ -145,7 +145,7 @@ class ContinuousBatch:
             room = self.width - len(self.rows) + len(free)
             if waiting and (self.live() == 0 or room >= max(1, int(REFILL_SHARE * self.width))):
                 self._admit([waiting.pop() for _ in range(min(room, len(waiting)))], free)
-            elif not waiting and free:
+            if not waiting and self.live() < len(self.rows):
                 self._keep([k for k, r in enumerate(self.rows) if r is not None])
             if self.live():
                 self._step()

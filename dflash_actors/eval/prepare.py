@@ -206,7 +206,7 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
             gen.close()
         bar.close()
     meta = {**manifest, "target_dir": str(target_dir)}
-    if found:
+    if found or todo:       # in-process: what this run generated (a resumed run's shards only)
         meta["engine"] = gen.report()
     return _assemble(out, partial, paths, meta, len(tokenizer))
 
@@ -473,7 +473,7 @@ def main(argv=None) -> int:
     meta = read_metadata(out)
     line = (f"prepare: {meta['completions']} completions, {meta['generated_tokens']} generated tokens "
             f"in {time.perf_counter() - t:.0f} s -> {out}")
-    if "engine" in meta:
+    if "path" in meta.get("engine", {}):
         e = meta["engine"]
         line += (f" ({e['path']} path; {e['truncated']} truncated at --max-new-tokens, "
                  f"{e['retokenize_mismatch']} re-tokenized unlike the server)")

@@ -71,6 +71,9 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
         want, _ = greedy_cached(t, torch.tensor(prompt), 12, (tok.eos_token_id,))
         assert ids.tolist() == want.tolist()
     assert "prompt" in open(out / "prepare.json").read()
+    engine = meta["engine"]         # continuous batching: rows refill at once and leave at the end
+    assert (engine["engine"], engine["batching"], engine["idle_row_steps"]) == ("in-process", "continuous", 0)
+    assert engine["row_steps"] > 0
 
 
 def test_prepare_generates_in_the_dtype_asked_records_it_and_refuses_an_unknown_one(chat, tmp_path):
