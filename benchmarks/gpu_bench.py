@@ -673,6 +673,71 @@ def bench_nodes(logs: Path, limit_s: float, smoke: bool, out: str | None = None)
 # the environment, and the final line
 
 
+def bench_serving(logs: Path, limit_s: float, out: str | None = None) -> dict:
+    """``prepare --server`` against a real vLLM on this machine, when vLLM is installed
+    (nothing is downloaded): the tiny chat target served on cuda:0, 16 prompts through
+    the token-id path; records the path taken, rows and tokens/s. Skipped without vLLM."""
+    import importlib.util
+    import urllib.request
+
+    result: dict = {"section": "serving"}
+    if importlib.util.find_spec("vllm") is None:
+        result["skipped"] = "vllm is not installed on this machine"
+        emit(result, out)
+        return result
+    from dflash_actors.config import load_config
+    from dflash_actors.models.target import ensure_target
+    from tests.support.chat import tiny_chat_target
+
+    work = Path("/tmp/gpu-serving")
+    shutil.rmtree(work, ignore_errors=True)
+    cfg = load_config(ROOT / "configs/default.yaml", [f"data.cache_dir={work / 'cache'}"])
+    model = tiny_chat_target(ensure_target(cfg), work / "chat")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}."}]}) + "\n"
+                               for i in range(16)))
+    port = 8000 + os.getpid() % 1000
+    deadline = time.monotonic() + limit_s
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                               "--port", str(port), "--max-model-len", "512", "--gpu-memory-utilization", "0.3"],
+                              stdout=open(logs / "serving_vllm.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() < deadline - 30:
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            if server.poll() is not None:
+                raise RuntimeError(f"vLLM exited {server.returncode}: {last_error(logs / 'serving_vllm.log')}")
+            time.sleep(2)
+        else:
+            raise RuntimeError("vLLM did not answer /health in time")
+        result["server_start_s"] = round(time.monotonic() - t0, 1)
+        t1 = time.monotonic()
+        cmd = [sys.executable, "launch.py", "prepare", "--target", str(model), "--prompts", str(prompts),
+               "--out", str(work / "ds"), "--server", f"http://127.0.0.1:{port}", "--max-new-tokens", "32",
+               "--concurrency", "16"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=max(10.0, deadline - time.monotonic()))
+        (logs / "serving_prepare.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode:
+            raise RuntimeError(f"prepare --server exit {proc.returncode}: {last_error(logs / 'serving_prepare.log')}")
+        meta = json.loads((work / "ds" / "prepare.json").read_text())
+        engine = meta.get("engine", {})
+        result.update(path=engine.get("path"), rows=meta["completions"], generated_tokens=meta["generated_tokens"],
+                      tokens_per_s=_sig(meta["generated_tokens"] / (time.monotonic() - t1)),
+                      token_exact=engine.get("path") == "token_ids")
+    except Exception as e:  # noqa: BLE001 - recorded in the section's line
+        result["error"] = first_line(e)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    emit(result, out)
+    return result
+
+
 def bench_env(out: str | None = None) -> dict:
     import importlib.util
 
@@ -756,7 +821,7 @@ def collect(out_dir: Path, started: float | None = None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("env", "target", "drafter", "pipeline", "tiny", "nodes", "collect"))
+    ap.add_argument("what", choices=("env", "target", "drafter", "pipeline", "tiny", "nodes", "serving", "collect"))
     ap.add_argument("dir", nargs="?", help="collect: the folder of the section files ($OUT)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: exercise the code, measure nothing")
     ap.add_argument("--out", help="also write the JSON line to this file")
@@ -793,6 +858,8 @@ def main(argv=None) -> int:
                            logs / f"pipe_{args.variant}_launch.log", args.limit, args.samples, args.smoke, args.out)
     elif args.what == "tiny":
         r = bench_tiny(logs, args.limit, args.smoke, args.out)
+    elif args.what == "serving":
+        r = bench_serving(logs, args.limit, args.out)
     else:
         r = bench_nodes(logs, args.limit, args.smoke, args.out)
     return 1 if r.get("error") else 0

@@ -25,6 +25,8 @@
 #                view: GPU memory per actor, stage MFU                               90
 #   nodes   (3)  two nodes on loopback, each 1-1 on cuda:0, gradient chain over
 #                gloo (NCCL refuses two ranks on one GPU): identical replicas        70
+#   serving      prepare --server against a real vLLM serving the tiny chat target,
+#                when vLLM is installed (skipped otherwise): path, rows, tokens/s   100
 # Logs and one JSON file per section go to $OUT; the last line printed (also
 # $OUT/gpu_check.json) is {"check": "gpu_check", ..., "failed": [...]}.
 # Without a GPU, GPU_CHECK_SMOKE=1 GPU_CHECK_PYTHON=.venv/bin/python runs the same
@@ -81,6 +83,7 @@ for i in "${!runs[@]}"; do
 done
 section tiny 90 40 "${bench[@]}" tiny --out "$OUT/tiny.json"
 section nodes 70 40 "${bench[@]}" nodes --out "$OUT/nodes.json"
+section serving 100 60 "${bench[@]}" serving --out "$OUT/serving.json"
 
 if ! "${bench[@]}" collect "$OUT" --started "$STARTED" --out "$OUT/gpu_check.json" \
     > "$OUT/collect.log" 2>&1; then
