@@ -118,6 +118,22 @@ def _others(benches: dict) -> list[str]:
                              f"{rr['baseline']} baseline {rr['real_tau_baseline']}; simulated tau "
                              f"{rr['simulated_tau_trained']}; per-position acceptance {pos}; "
                              f"lossless: {rr['lossless']}"])
+    g = benches.get("generate", {})
+    if "skipped" in g:
+        rows.append(["generate", g["skipped"]])
+    elif "error" not in g and g:
+        rows.append(["generate", f"{g['target']}, {g['prompts']} prompts, batch {g['batch_size']}: continuous "
+                                 f"{g['continuous']['tok_s']} tok/s against fixed {g['fixed']['tok_s']} "
+                                 f"({g['continuous_over_fixed']}x); rows idle {g['continuous']['idle_row_share']:.1%} "
+                                 f"against {g['fixed']['idle_row_share']:.1%}"])
+    sv = benches.get("serving", {})
+    if "skipped" in sv:
+        rows.append(["serving", sv["skipped"]])
+    elif "error" not in sv and sv:
+        rows.append(["serving", f"{sv['server']} ({sv['path']} path, {sv['concurrency']} in flight): "
+                                f"{sv['server_tok_s']} tok/s against in-process {sv['inprocess_tok_s']}; greedy "
+                                f"exact match {sv['greedy_exact_match']}, {sv['retokenize_mismatch_rows']} rows "
+                                f"re-tokenized unlike the server; resume identical: {sv['resume_identical']}"])
     for name, rec in benches.items():
         if "error" in rec:
             rows.append([name, f"FAILED: {rec['error'].splitlines()[-1] if rec['error'] else ''}"])
