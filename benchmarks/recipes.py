@@ -13,7 +13,7 @@ acceptance, and it records the training loss (mean of the 5 steps up to the mark
 seconds per step. One JSON line, plus a table and a plot in ``--out``.
 
 ``--minutes M`` gives every variant the same M minutes of training instead of the same
-steps: a variant first times a few steps of its own (``CALIBRATION_STEPS``), then trains
+steps: a variant first times its own steps for ``CALIBRATION_S`` seconds, then trains
 the steps that fit M minutes at that rate (``train.max_steps``), so its LR schedule ends
 where its minutes do; held-out checks are not counted. The target's features come from
 one disk feature cache per feature layout, filled once before the variants start
@@ -62,14 +62,21 @@ VARIANTS = {
     "lr6e-4": ["drafter.init=random", "train.position_weight=dpace", "train.lr=6e-4"],
     # The anchors' default recipe, whole: random init, decay gamma, CE, lr 6e-4 with 4%
     # warmup and a cosine, the exact head.
+    "sampled_block4": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=sampled",
+                       "drafter.block_size=4"],
+    "sampled_block4_wsd": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=sampled",
+                           "drafter.block_size=4", "train.lr_schedule=wsd"],
     "control": ["drafter.init=random", "train.position_weight=decay", "train.loss=ce", "train.lr=6e-4",
                 "train.warmup_ratio=0.04", "train.lr_schedule=cosine", "train.head_vocab=full"],
 }
 """The anchors' recipe is random init, cross-entropy on the target's text, gamma decay."""
 
-CALIBRATION_STEPS = 8
-"""Steps a ``--minutes`` variant times before its run: the first two (warm-up of the
-allocator and kernels) are not counted."""
+CALIBRATION_S = 90.0
+"""How long a ``--minutes`` variant times steps of its own before its run (the first
+two, the allocator's and kernels' warm-up, not counted): a step's cost follows its
+batches' rows, and a few steps mis-estimated it by half (2026-12-05: 2.4 s/step timed
+over 6 steps, 3.1 over the run)."""
+
 
 
 def say(msg: str) -> None:
@@ -123,20 +130,20 @@ def heldout_metrics(drafter, target, texts, vocab=None) -> dict:
     return out
 
 
-def variant_config(name: str, base: list[str], steps: int | None = None, cut: bool = True):
-    """The variant's config; with ``steps``, epochs sized to hold them and (``cut``) the
-    run cut there. Uncut, every epoch runs whole: the feature cache's plan is then the
-    same as any run's that holds the first epoch whole."""
+def variant_config(name: str, base: list[str], steps: int | None = None, epochs: int | None = None):
+    """The variant's config; with ``steps``, the run cut there (``train.max_steps``) and
+    its epochs sized to hold them, at least ``epochs``."""
     from dflash_actors.config import load_config
     from dflash_actors.data.dataset import open_dataset
     from dflash_actors.train.schedule import Schedule
 
     cfg = load_config(CONFIG, base + VARIANTS[name])
-    if steps is None:
+    if steps is None and epochs is None:
         return cfg
     per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1, "train.max_steps": 0}),
                                      open_dataset(cfg.data, progress=False).lengths).total_steps
-    return cfg.updated({"train.epochs": math.ceil(steps / per_epoch), "train.max_steps": steps if cut else 0})
+    need = math.ceil(steps / per_epoch) if steps else 0
+    return cfg.updated({"train.epochs": max(epochs or 0, need), "train.max_steps": steps or 0})
 
 
 def feature_key(cfg) -> str:
@@ -150,9 +157,17 @@ def feature_key(cfg) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+RUN_EPOCHS = 20
+"""Epochs of every ``--minutes`` run, its calibration and its feature fill (cut by
+``train.max_steps``): the cache plan, and so the shared store's header, depends on the
+epochs through the samples a short epoch count never reaches (a step's batches left
+over at an epoch's end are dropped, and their samples first come in a later epoch)."""
+
+
 def fill_features(cfg, root: Path) -> float:
-    """Every sample's features into the disk store under ``root`` (epoch 1's batches, the
-    target's forward only); seconds spent."""
+    """Every cached sample's features into the disk store under ``root``, for a run of
+    ``cfg``'s epochs (each sample's first batch, the target's forward only); seconds spent."""
+    import numpy as np
     import torch
 
     from dflash_actors.data.dataset import open_dataset
@@ -160,18 +175,19 @@ def fill_features(cfg, root: Path) -> float:
     from dflash_actors.models.target import load_target
     from dflash_actors.runtime.channels import dtype_name
     from dflash_actors.train import feature_cache
-    from dflash_actors.train.schedule import Plans, Schedule
+    from dflash_actors.train.schedule import Plans
     from dflash_actors.train.simulate import feature_width
 
     t = time.perf_counter()
-    cfg = cfg.updated({"train.epochs": 1, "train.max_steps": 0, "target.feature_cache": "disk"})
+    cfg = cfg.updated({"target.feature_cache": "disk"})
     torch.set_num_threads(cfg.train.num_threads)
     target = load_target(cfg, "cpu")
     dataset = open_dataset(cfg.data, progress=False, path=train_path(cfg))
     cache = feature_cache.in_process(cfg, dataset, Plans(cfg, dataset.lengths), feature_width(cfg, target),
                                      dtype_name(target.dtype), root, target.layer_ids)
+    first = cache.plan.first[cache.plan.slot >= 0]
     with torch.no_grad():
-        for g in range(Schedule.from_config(cfg, dataset.lengths).total_batches):
+        for g in np.unique(first).tolist():
             ids, cu, batch = cache.source.batch(g)
             cache.features(g, ids, cu, batch, target.features, torch.device("cpu"))
     return time.perf_counter() - t
@@ -198,14 +214,15 @@ class _Calibrated(Exception):
 
 
 def calibrate(cfg, cache_root: Path | None) -> float:
-    """Seconds per step of ``cfg``, timed over steps 3..``CALIBRATION_STEPS`` of its own run."""
+    """Seconds per step of ``cfg``, timed over its own run's steps from the third on, for
+    ``CALIBRATION_S``."""
     from dflash_actors.job.reference import train_reference
 
     times, t0 = [], time.perf_counter()
 
     def on_step(step, *_):
         times.append(time.perf_counter())
-        if step == CALIBRATION_STEPS:
+        if times[-1] - t0 > CALIBRATION_S and len(times) >= 4:
             raise _Calibrated
     try:
         train_reference(cfg, progress=False, on_step=on_step, cache_root=cache_root)
@@ -226,12 +243,12 @@ def run_variant(name: str, base: list[str], steps: int | None, marks: set[int], 
     extra = {}
     if minutes is not None:
         # The full first epoch's config, timed: the same cache plan as the run's.
-        s_step = calibrate(variant_config(name, base, CALIBRATION_STEPS, cut=False), root)
-        steps = max(CALIBRATION_STEPS, int(minutes * 60 / s_step))
+        s_step = calibrate(variant_config(name, base, epochs=RUN_EPOCHS), root)
+        steps = max(8, int(minutes * 60 / s_step))
         marks = {steps // 2}
         extra = {"minutes": minutes, "calibrated_s_per_step": round(s_step, 3)}
         say(f"{name}: {s_step:.2f} s/step -> {steps} steps in {minutes:g} min")
-    cfg = variant_config(name, base, steps)
+    cfg = variant_config(name, base, steps, RUN_EPOCHS if minutes is not None else None)
     vocab = training_vocab(cfg)
     rows, t_last = [], [time.perf_counter(), 0.0]
 
@@ -261,12 +278,13 @@ def run_variant(name: str, base: list[str], steps: int | None, marks: set[int], 
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| variant | first loss | step | loss (mean of 5) | held-out walk tau | slot 1, 2 acceptance | s/step |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | first loss | step | loss (mean of 5) | held-out walk tau | slot 1, 2 acceptance | s/step "
+             "| training min |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for m in r["marks"]:
             lines.append(f"| {r['variant']} | {r['first_loss']} | {m['step']} | {m['loss']} | {m['walk_tau']} | "
-                         f"{', '.join(str(x) for x in m['slot_acc'])} | {m['s_per_step']} |")
+                         f"{', '.join(str(x) for x in m['slot_acc'])} | {m['s_per_step']} | "
+                         f"{m['s_per_step'] * m['step'] / 60:.1f} |")
     return "\n".join(lines)
 
 
@@ -356,7 +374,7 @@ def main(argv=None) -> int:
     fill = {}
     if cache_root is not None:
         for name in names:
-            cfg = variant_config(name, base)
+            cfg = variant_config(name, base, epochs=RUN_EPOCHS)
             key = feature_key(cfg)
             if key not in fill:
                 say(f"features for {name}'s layout ({key})")
