@@ -96,6 +96,9 @@ TERM_WAIT_S = 2.0       # after SIGTERM, before SIGKILL
 BUSY_WINDOW_S = 30.0    # status.json's busy_pct_30s
 
 
+FIRST_FORK_FLOOR_S = 30.0
+"""The least a new fork server is given for its first fork (its imports come first)."""
+
 class JobState(enum.Enum):
     RUNNING = "running"
     STOPPING = "stopping"
@@ -269,7 +272,10 @@ class Supervisor:
         self._own_server = forkserver is None
         self._server = None if self.start_method != "forkserver" else forkserver or forking.ForkServerStarter()
         if self._server is not None:
-            self._server.first_fork_timeout_s = runtime.start_timeout_s
+            # A new server imports torch and the preloads before its first fork: seconds,
+            # more on a loaded machine, and none of it the actor's start-up, so a short
+            # start_timeout_s must not call it hung.
+            self._server.first_fork_timeout_s = max(runtime.start_timeout_s, FIRST_FORK_FLOOR_S)
             self._server.fork_timeout_s = runtime.fork_timeout_s
         self._server_policy = RestartPolicy(runtime.max_restarts, runtime.restart_window_s)
         self.forkserver_restarts = 0
