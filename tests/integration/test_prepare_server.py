@@ -32,15 +32,12 @@ from dflash_actors.eval.prepare import (
     read_metadata,
 )
 from dflash_actors.eval.serving import ServerSettings
-from dflash_actors.models.target import ensure_target, resolve_target_dir
+from dflash_actors.models.target import resolve_target_dir
 from tests.support.leakcheck import TOKEN_VAR
-from tests.support.openai_stub import full_vocab_chat_target
-from tests.support.pipeline import ROOT, SMALL, free_port
+from tests.support.openai_stub import PROMPTS, served_chat
+from tests.support.pipeline import ROOT, free_port
 
 TRANSFORMERS = Path(sys.executable).with_name("transformers")
-PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"}]}
-           for i in range(9)] + [{"messages": [{"role": "system", "content": "Be brief."},
-                                               {"role": "user", "content": "Name a colour."}]}]
 SPECIAL = {0, 1, 3}
 """The tiny target's special ids other than its end of turn (2): text drops them."""
 
@@ -95,12 +92,7 @@ class Served:
 @pytest.fixture(scope="module")
 def chat(cache_dir, tmp_path_factory):
     """``(target dir, prompts file)``: the tiny target with a tokenizer covering its vocabulary."""
-    cfg = load_config(ROOT / "configs/default.yaml", SMALL + [f"data.cache_dir={cache_dir}"])
-    out = tmp_path_factory.mktemp("served-chat")
-    target = full_vocab_chat_target(out / "target", ensure_target(cfg))
-    prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    return target, prompts
+    return served_chat(cache_dir, tmp_path_factory.mktemp("served-chat"))
 
 
 @pytest.fixture(scope="module")
@@ -176,24 +168,32 @@ def _rows_journaled(partial: Path) -> int:
         len(list(partial.glob("shard-*.npz")))
 
 
+def _served_prepare_killed(target: Path, prompts: Path, out: Path, url: str, new_tokens: int, limit_s: float) -> list:
+    """``launch.py prepare --server`` killed with SIGKILL once 3 rows are journaled; the
+    command, to run again."""
+    cmd = [sys.executable, str(ROOT / "launch.py"), "prepare", "--target", str(target), "--prompts", str(prompts),
+           "--out", str(out), "--server", url, "--max-new-tokens", str(new_tokens), "--shard-size", "4",
+           "--concurrency", "1", "--max-retokenize-mismatch", "1", "--threads", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    partial, deadline = out.with_name(out.name + ".partial"), time.monotonic() + limit_s
+    while _rows_journaled(partial) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists(), "the kill must land mid-run"
+    return cmd
+
+
 def test_a_killed_prepare_through_the_server_resumes_by_row_id(chat, served, tmp_path):
     target, _ = chat
     prompts = tmp_path / "more.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Tell me about {i}."}]}) + "\n"
                                for i in range(16)))
-    cmd = [sys.executable, str(ROOT / "launch.py"), "prepare", "--target", str(target), "--prompts", str(prompts),
-           "--out", str(tmp_path / "killed"), "--server", served.url, "--max-new-tokens", "32", "--shard-size", "4",
-           "--concurrency", "1", "--max-retokenize-mismatch", "1", "--threads", "1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = _served_prepare_killed(target, prompts, tmp_path / "killed", served.url, 32, 120)
     partial = tmp_path / "killed.partial"
-    deadline = time.monotonic() + 120
-    while _rows_journaled(partial) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert list(partial.glob("rows-*.jsonl")) and not (tmp_path / "killed").exists(), "the kill must land mid-run"
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert list(partial.glob("rows-*.jsonl"))
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "text path" in r.stdout and not partial.exists()
     clean = prepare(str(target), prompts, tmp_path / "clean", sampling=SamplingSettings(max_new_tokens=32),
@@ -226,19 +226,8 @@ def test_smollm2_through_transformers_serve(tmp_path):
     sampling = SamplingSettings(max_new_tokens=48)
     server = Served(target, tmp_path / "serve.log")
     try:
-        cmd = [sys.executable, str(ROOT / "launch.py"), "prepare", "--target", str(target), "--prompts", str(prompts),
-               "--out", str(tmp_path / "served"), "--server", server.url, "--max-new-tokens", "48",
-               "--shard-size", "4", "--concurrency", "1", "--max-retokenize-mismatch", "1", "--threads", "1"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        partial = tmp_path / "served.partial"
-        deadline = time.monotonic() + 300
-        while _rows_journaled(partial) < 3 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        assert not (tmp_path / "served").exists(), "the kill must land mid-run"
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        cmd = _served_prepare_killed(target, prompts, tmp_path / "served", server.url, 48, 300)
+        r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
     finally:
         server.stop()

@@ -29,11 +29,9 @@ from dflash_actors.eval.prepare import (
     render_prompt,
 )
 from dflash_actors.eval.serving import DatasetRefused, ServerFailed, ServerSettings, agreement
-from dflash_actors.models.target import ensure_target
-from tests.support.openai_stub import StubServer, full_vocab_chat_target, hashed_model
-from tests.support.pipeline import ROOT, SMALL, free_port
+from tests.support.openai_stub import PROMPTS, StubServer, hashed_model, served_chat
+from tests.support.pipeline import ROOT, free_port
 
-PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"}]} for i in range(8)]
 EOS = 2
 FAST = {"backoff_s": 0.01}          # retries in tests need not wait seconds
 
@@ -41,12 +39,7 @@ FAST = {"backoff_s": 0.01}          # retries in tests need not wait seconds
 @pytest.fixture(scope="module")
 def chat(cache_dir, tmp_path_factory):
     """``(target dir, prompts file)``: the tiny target with a tokenizer covering its vocabulary."""
-    cfg = load_config(ROOT / "configs/default.yaml", SMALL + [f"data.cache_dir={cache_dir}"])
-    out = tmp_path_factory.mktemp("served-chat")
-    target = full_vocab_chat_target(out / "target", ensure_target(cfg))
-    prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    return target, prompts
+    return served_chat(cache_dir, tmp_path_factory.mktemp("served-chat"))
 
 
 def tiny_model(target):

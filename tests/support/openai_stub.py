@@ -176,3 +176,22 @@ def full_vocab_chat_target(out: Path, model_dir: Path | None = None, vocab_size:
     fast.save_pretrained(out)
     GenerationConfig(eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id).save_pretrained(out)
     return out
+
+
+PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"}]} for i in range(8)]
+"""The chat prompts the serving tests regenerate."""
+
+
+def served_chat(cache_dir: Path, out: Path) -> tuple[Path, Path]:
+    """``(target dir, prompts file)``: the tiny target with a tokenizer covering its
+    vocabulary, and ``PROMPTS`` as JSONL, under ``out``."""
+    from dflash_actors.config import load_config
+    from dflash_actors.models.target import ensure_target
+    from tests.support.pipeline import ROOT, SMALL
+
+    cfg = load_config(ROOT / "configs/default.yaml", SMALL + [f"data.cache_dir={cache_dir}"])
+    target = full_vocab_chat_target(out / "target", ensure_target(cfg))
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return target, prompts
+
