@@ -50,7 +50,9 @@ def main(argv=None) -> int:
     prepared(data, PROMPTS / "heldout.jsonl", 64, args.threads, args.prompts)
     cfg = load_config(CONFIG, [f"data.path={data}", f"train.epochs={args.steps}", "train.num_anchors=512",
                                "train.lr=3e-3", "train.warmup_ratio=0.02", f"train.num_threads={args.threads}",
-                               "eval.every=0"])
+                               "eval.every=0",
+                               # The gate as first set: block 8 (tau 8 of 8), the exact head, a cosine.
+                               "drafter.block_size=8", "train.head_vocab=full", "train.lr_schedule=cosine"])
     t = time.perf_counter()
     result = train_reference(cfg, progress=False)
     train_s = time.perf_counter() - t
