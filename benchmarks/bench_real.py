@@ -22,6 +22,10 @@ greedy one (more data from the same prompts, its own ``.cache`` folder). ``--dty
 bfloat16`` generates the training responses and trains (target forward, drafter
 autocast, vocabulary head) in bf16, 1.5 to 1.7x as fast on this CPU (it has AVX512-BF16);
 evaluation still decodes with the float32 target, as every earlier run did.
+``--external N`` also decodes the first N prompts of ``external.jsonl`` (requests other people
+wrote; see the prompts' README) against the same baselines and reports them under
+``external``, outside ``journey_minutes``: the held-out set shares its author with the
+training prompts, this one does not.
 """
 
 from __future__ import annotations
@@ -99,6 +103,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--train-minutes", type=float, default=30.0)
     ap.add_argument("--heldout", type=int, default=24, help="held-out prompts decoded for real")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--external", type=int, default=0,
+                    help="also decode this many prompts of external.jsonl (written by others; reported apart)")
     ap.add_argument("--run-dir", help="evaluate this finished run instead of training a new one")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, help="train exactly this many optimizer steps (train.max_steps; "
@@ -213,6 +219,20 @@ def main(argv=None) -> dict:
         out["journey_minutes_excludes_unrecorded_prepare"] = True
         firsts = [m["minutes"] for m in (meta, held)]
     out["journey_minutes"] = round(sum(firsts) + (minutes or 0) + out["eval_wall_s"] / 60, 1)
+    if args.external:
+        t = time.perf_counter()
+        ext = evaluate_real(run_dir, PROMPTS / "external.jsonl", dataset_dir=train_dir,
+                            max_new_tokens=args.max_new_tokens, limit=args.external, threads=args.threads,
+                            cache_dir=str(ROOT / ".cache"), log=say)
+        (run_dir / "evaluate-external.json").write_text(json.dumps(ext, indent=1))
+        res = ext["results"]
+        best = max(("ngram", "repeat"), key=lambda k: res[k]["real"]["tau"])
+        out["external"] = {"prompts": ext["num_prompts"], "real_tau_trained": round(res["trained"]["real"]["tau"], 3),
+                           "real_tau_baseline": round(res[best]["real"]["tau"], 3), "baseline": best,
+                           "ratio": round(res["trained"]["real"]["tau"] / res[best]["real"]["tau"], 3),
+                           "lossless": bool(res["trained"]["real"]["lossless"]),
+                           "all": {k: round(v["real"]["tau"], 3) for k, v in res.items()},
+                           "eval_wall_s": round(time.perf_counter() - t, 1)}
     print(json.dumps(out))
     return out
 

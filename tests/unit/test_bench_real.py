@@ -23,3 +23,19 @@ def test_refuses_options_that_add_no_data(argv, capsys):
         bench_real.main(argv)
     assert e.value.code == 2
     assert "--samples-per-prompt" in capsys.readouterr().err
+
+
+def test_external_prompts_are_other_peoples_and_distinct():
+    # The external set measures prompts the project did not write: none may repeat one of ours
+    # (that would measure the held-out style again) or each other, and each is one user turn.
+    import json
+
+    def texts(name):
+        return [json.loads(line)["messages"] for line in (bench_real.PROMPTS / name).read_text().splitlines()]
+
+    external = texts("external.jsonl")
+    ours = {m[-1]["content"] for name in ("train.jsonl", "heldout.jsonl") for m in texts(name)}
+    assert len(external) == 64
+    assert all(len(m) == 1 and m[0]["role"] == "user" and m[0]["content"].isascii() for m in external)
+    contents = [m[0]["content"] for m in external]
+    assert len(set(contents)) == len(contents) and not set(contents) & ours
