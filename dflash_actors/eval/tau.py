@@ -101,7 +101,36 @@ def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
             references = [g.ids for g in gens]
     out = decode_stats(gens, [len(p) for p in prompts], max_new_tokens, drafter.block_size, references)
     out["spec_s"] = round(spec_s, 2)
+    out["mismatches"] = [divergence(target, g.ids, r, len(p)) | {"prompt": i}
+                         for i, (g, r, p) in enumerate(zip(gens, references, prompts)) if not torch.equal(g.ids, r)]
+    ties = sum(m["tie"] for m in out["mismatches"])
+    out["lossless_up_to_ties"] = out["lossless_prompts"] + ties == len(gens)
     return out
+
+
+# Two logits closer than this (relative to the larger) are a tie: the same forward in another
+# shape (a verify block against one token, another batch) may order them either way. float32
+# sums differ in their last few bits; half precision in its last one or two.
+TIE_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@torch.no_grad()
+def divergence(target, output: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> dict:
+    """Where decoding's ``output`` first leaves the ``reference`` text, and whether the target
+    was tied there: the gap between the two tokens' logits after the shared prefix, from one
+    cache-free forward. A lossless decoder differs from the reference only at such ties; a
+    gap far above the tolerance is a decoding bug."""
+    n = min(len(output), len(reference))
+    diff = (output[:n] != reference[:n]).nonzero()
+    at = int(diff[0]) if len(diff) else n
+    if at == n:     # one stopped where the other went on: no two tokens to compare
+        return {"at": at - prompt_len, "logit_gap": None, "tie": False}
+    logits = target.logits_and_hidden(reference[:at][None].to(target.device))[0][0, -1]
+    tol = TIE_TOLERANCE.get(logits.dtype, 1e-5)
+    a, b = logits[int(output[at])].double(), logits[int(reference[at])].double()
+    gap = float((a - b).abs())
+    scale = float(torch.maximum(a.abs(), b.abs()))
+    return {"at": at - prompt_len, "logit_gap": gap, "tie": gap <= tol * max(scale, 1.0)}
 
 
 def decode_stats(gens: list[Generation], prompt_lens: list[int], max_new_tokens: int, block_size: int,

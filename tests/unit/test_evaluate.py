@@ -14,7 +14,7 @@ from dflash_actors.eval.decode import (
     speculative_generate,
 )
 from dflash_actors.eval.prepare import regenerate
-from dflash_actors.eval.tau import completion_entropy, real_tau, simulated_tau, walk_tau
+from dflash_actors.eval.tau import completion_entropy, divergence, real_tau, simulated_tau, walk_tau
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,8 +83,37 @@ def test_drafter_decoding_is_lossless(setup):
     _, target, drafter = setup
     r = real_tau(drafter, target, [PROMPT, PROMPT[:3]], 24)
     assert r["lossless"] and 1.0 <= r["tau"] <= B and r["verify_steps"] >= 24 / B
+    assert r["mismatches"] == [] and r["lossless_up_to_ties"]
     g = speculative_generate(drafter_proposer(drafter, target), target, PROMPT, 24, B)
     assert torch.equal(g.ids, greedy_generate(target, PROMPT, 24))
+
+
+def test_divergence_names_the_first_differing_token_and_the_targets_gap_there(setup):
+    _, target, _ = setup
+    ref = greedy_generate(target, PROMPT, 10)
+    at = len(PROMPT) + 4
+    logits, _ = target.logits_and_hidden(ref[:at][None])
+    runner_up = int(logits[0, -1].topk(2).indices[1])
+    out = ref.clone()
+    out[at] = runner_up
+    d = divergence(target, out, ref, len(PROMPT))
+    gap = float(logits[0, -1, ref[at]] - logits[0, -1, runner_up])
+    assert d["at"] == 4 and d["logit_gap"] == pytest.approx(gap, rel=1e-4) and gap > 0
+    assert d["tie"] is False     # the tiny target's top two are not within float32 rounding
+    # An output that stops early has no differing token to weigh.
+    assert divergence(target, ref[:at], ref, len(PROMPT)) == {"at": 4, "logit_gap": None, "tie": False}
+
+
+@pytest.mark.parametrize("gap, tie", [(2e-5, True), (1e-3, False)])
+def test_divergence_calls_a_gap_within_float32_rounding_a_tie(gap, tie):
+    # A target whose two best next tokens (3 and 5) are gap apart at about 29.5 (the size
+    # of SmolLM2's logits where a real decode left its reference by 9.5e-6).
+    logits = torch.zeros(1, 4, 8)
+    logits[0, :, 3], logits[0, :, 5] = 29.5, 29.5 - gap
+    stub = type("Stub", (), {"device": "cpu",
+                             "logits_and_hidden": lambda self, ids: (logits[:, :ids.shape[1]], None)})()
+    ref, out = torch.tensor([1, 2, 3, 3, 7]), torch.tensor([1, 2, 3, 5])
+    assert divergence(stub, out, ref, 2) == {"at": 1, "logit_gap": pytest.approx(gap, rel=0.1), "tie": tie}
 
 
 def test_cached_drafter_blocks_equal_the_full_prefix_forward(setup):
