@@ -175,13 +175,16 @@ def main(argv=None) -> dict:
             # Training completed; only the evaluator's final evaluation was still running.
             how = "finished"
     say(f"training {how}: step {summary['step']}/{summary['total_steps']} in {minutes:.1f} min")
+    def evaluate(prompts: str, limit: int, out_name: str) -> tuple[dict, dict, str]:
+        """The run's parity report on a prompt set (kept in the run), its results and best trivial baseline."""
+        report = evaluate_real(run_dir, PROMPTS / prompts, dataset_dir=train_dir, max_new_tokens=args.max_new_tokens,
+                               limit=limit, threads=args.threads, cache_dir=str(ROOT / ".cache"), log=say)
+        (run_dir / out_name).write_text(json.dumps(report, indent=1))
+        res = report["results"]
+        return report, res, max(("ngram", "repeat"), key=lambda k: res[k]["real"]["tau"])
+
     t = time.perf_counter()
-    report = evaluate_real(run_dir, PROMPTS / "heldout.jsonl", dataset_dir=train_dir,
-                           max_new_tokens=args.max_new_tokens, limit=args.heldout, threads=args.threads,
-                           cache_dir=str(ROOT / ".cache"), log=say)
-    (run_dir / "evaluate.json").write_text(json.dumps(report, indent=1))
-    res = report["results"]
-    best = max(("ngram", "repeat"), key=lambda k: res[k]["real"]["tau"])
+    report, res, best = evaluate("heldout.jsonl", args.heldout, "evaluate.json")
     out = {"bench": "real", "target": "SmolLM2-135M-Instruct", "completions": meta["completions"],
            "train_minutes": round(minutes, 1), "train_steps": summary["step"], "total_steps": summary["total_steps"],
            "training": how, "heldout_prompts": report["num_prompts"], "max_new_tokens": args.max_new_tokens,
@@ -225,12 +228,7 @@ def main(argv=None) -> dict:
     out["journey_minutes"] = round(sum(firsts) + (minutes or 0) + out["eval_wall_s"] / 60, 1)
     if args.external:
         t = time.perf_counter()
-        ext = evaluate_real(run_dir, PROMPTS / "external.jsonl", dataset_dir=train_dir,
-                            max_new_tokens=args.max_new_tokens, limit=args.external, threads=args.threads,
-                            cache_dir=str(ROOT / ".cache"), log=say)
-        (run_dir / "evaluate-external.json").write_text(json.dumps(ext, indent=1))
-        res = ext["results"]
-        best = max(("ngram", "repeat"), key=lambda k: res[k]["real"]["tau"])
+        ext, res, best = evaluate("external.jsonl", args.external, "evaluate-external.json")
         out["external"] = {"prompts": ext["num_prompts"], "real_tau_trained": round(res["trained"]["real"]["tau"], 3),
                            "real_tau_baseline": round(res[best]["real"]["tau"], 3), "baseline": best,
                            "ratio": round(res["trained"]["real"]["tau"] / res[best]["real"]["tau"], 3),

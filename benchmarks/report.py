@@ -107,33 +107,34 @@ def _others(benches: dict) -> list[str]:
         rows.append(["learning", f"simulated tau {lr['simulated_tau_untrained']} -> {lr['simulated_tau_trained']}, "
                                  f"real tau {lr['real_tau_trained']} (lossless: {lr['lossless']}), "
                                  f"sim vs real {lr['sim_vs_real']}"])
-    rr = benches.get("real", {})
-    if "skipped" in rr:
-        rows.append(["real", rr["skipped"]])
-    elif "error" not in rr and rr:
+    def optional(name, describe):
+        """The row of a bench that may skip itself (no SmolLM2): its reason, or its result."""
+        rec = benches.get(name, {})
+        if "skipped" in rec:
+            rows.append([name, rec["skipped"]])
+        elif "error" not in rec and rec:
+            rows.append([name, describe(rec)])
+
+    def real(rr):
         pos = " ".join("-" if x is None else f"{x:.2f}" for x in rr["per_position_trained"])
-        rows.append(["real", f"{rr['target']}, {rr['completions']} regenerated completions, "
-                             f"{rr['train_minutes']} min of training ({rr['train_steps']}/{rr['total_steps']} steps): "
-                             f"real tau trained {rr['real_tau_trained']} vs untrained {rr['real_tau_untrained']} vs "
-                             f"{rr['baseline']} baseline {rr['real_tau_baseline']}; simulated tau "
-                             f"{rr['simulated_tau_trained']}; per-position acceptance {pos}; "
-                             f"lossless: {rr['lossless']}"])
-    g = benches.get("generate", {})
-    if "skipped" in g:
-        rows.append(["generate", g["skipped"]])
-    elif "error" not in g and g:
-        rows.append(["generate", f"{g['target']}, {g['prompts']} prompts, batch {g['batch_size']}: continuous "
-                                 f"{g['continuous']['tok_s']} tok/s against fixed {g['fixed']['tok_s']} "
-                                 f"({g['continuous_over_fixed']}x); rows idle {g['continuous']['idle_row_share']:.1%} "
-                                 f"against {g['fixed']['idle_row_share']:.1%}"])
-    sv = benches.get("serving", {})
-    if "skipped" in sv:
-        rows.append(["serving", sv["skipped"]])
-    elif "error" not in sv and sv:
-        rows.append(["serving", f"{sv['server']} ({sv['path']} path, {sv['concurrency']} in flight): "
-                                f"{sv['server_tok_s']} tok/s against in-process {sv['inprocess_tok_s']}; greedy "
-                                f"exact match {sv['greedy_exact_match']}, {sv['retokenize_mismatch_rows']} rows "
-                                f"re-tokenized unlike the server; resume identical: {sv['resume_identical']}"])
+        return (f"{rr['target']}, {rr['completions']} regenerated completions, "
+                f"{rr['train_minutes']} min of training ({rr['train_steps']}/{rr['total_steps']} steps): "
+                f"real tau trained {rr['real_tau_trained']} vs untrained {rr['real_tau_untrained']} vs "
+                f"{rr['baseline']} baseline {rr['real_tau_baseline']}; simulated tau "
+                f"{rr['simulated_tau_trained']}; per-position acceptance {pos}; lossless: {rr['lossless']}"
+                + (f"; on {e['prompts']} external prompts {e['real_tau_trained']} vs {e['baseline']} "
+                   f"{e['real_tau_baseline']}" if (e := rr.get("external")) else ""))
+
+    optional("real", real)
+    optional("generate", lambda g: (
+        f"{g['target']}, {g['prompts']} prompts, batch {g['batch_size']}: continuous "
+        f"{g['continuous']['tok_s']} tok/s against fixed {g['fixed']['tok_s']} ({g['continuous_over_fixed']}x); "
+        f"rows idle {g['continuous']['idle_row_share']:.1%} against {g['fixed']['idle_row_share']:.1%}"))
+    optional("serving", lambda sv: (
+        f"{sv['server']} ({sv['path']} path, {sv['concurrency']} in flight): {sv['server_tok_s']} tok/s against "
+        f"in-process {sv['inprocess_tok_s']}; greedy exact match {sv['greedy_exact_match']}, "
+        f"{sv['retokenize_mismatch_rows']} rows re-tokenized unlike the server; "
+        f"resume identical: {sv['resume_identical']}"))
     for name, rec in benches.items():
         if "error" in rec:
             rows.append([name, f"FAILED: {rec['error'].splitlines()[-1] if rec['error'] else ''}"])

@@ -167,12 +167,8 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
     hf_logging.disable_progress_bar()
     out, prompts_path = Path(out), Path(prompts_path)
     _check_settings(out, batch_size, shard_size, sampling, samples_per_prompt, server)
-    messages = read_prompts(prompts_path)[:limit]
-    target_dir = resolve_target_dir(target, None, cache_dir)
-    tokenizer = load_tokenizer(target_dir)
-    template = template_settings(tokenizer, **(template_opts or {}))
-    texts = [render_prompt(tokenizer, m, template) for m in messages]
-    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    target_dir, tokenizer, template, texts, encoded = _encoded_prompts(target, prompts_path, limit, cache_dir,
+                                                                       template_opts)
     prompts_sha = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()[:16]
     manifest = _manifest(target, prompts_path, len(encoded), shard_size, template, sampling, prompts_sha)
     # Keys only where they differ from the in-process default, so partial runs of that
@@ -222,12 +218,8 @@ def check(target: str, prompts_path: str | Path, n: int, server: ServerSettings,
         raise PrepareError(f"--check measures greedy agreement on N >= 1 prompts "
                            f"(got N = {n}, --temperature {sampling.temperature})")
     _check_settings(None, batch_size, 1, sampling, 1, server)
-    messages = read_prompts(prompts_path)[:n]
-    target_dir = resolve_target_dir(target, None, cache_dir)
-    tokenizer = load_tokenizer(target_dir)
-    template = template_settings(tokenizer, **(template_opts or {}))
-    texts = [render_prompt(tokenizer, m, template) for m in messages]
-    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    target_dir, tokenizer, template, texts, encoded = _encoded_prompts(target, prompts_path, n, cache_dir,
+                                                                       template_opts)
     found = probe(server, encoded[0], texts[0])
     server = replace(server, max_retokenize_mismatch=1.0)        # measured here, never refused
     if threads:
@@ -248,6 +240,17 @@ def check(target: str, prompts_path: str | Path, n: int, server: ServerSettings,
     return {**result, "server": report["servers"], "model": report["model"], "path": report["path"],
             "retokenize_mismatch": report["retokenize_mismatch"], "truncated": report["truncated"],
             "max_new_tokens": sampling.max_new_tokens}
+
+
+def _encoded_prompts(target: str, prompts_path, limit: int | None, cache_dir: str, template_opts: dict | None):
+    """The target's directory, tokenizer and template settings, and the first ``limit`` prompts rendered
+    with the project's chat template and their token ids: what every engine is sent."""
+    messages = read_prompts(prompts_path)[:limit]
+    target_dir = resolve_target_dir(target, None, cache_dir)
+    tokenizer = load_tokenizer(target_dir)
+    template = template_settings(tokenizer, **(template_opts or {}))
+    texts = [render_prompt(tokenizer, m, template) for m in messages]
+    return target_dir, tokenizer, template, texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def _check_settings(out: Path | None, batch_size: int, shard_size: int, sampling: SamplingSettings,
