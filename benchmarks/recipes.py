@@ -60,12 +60,12 @@ VARIANTS = {
     "block4": ["drafter.init=random", "train.position_weight=dpace", "drafter.block_size=4"],
     "block16": ["drafter.init=random", "train.position_weight=dpace", "drafter.block_size=16"],
     "lr6e-4": ["drafter.init=random", "train.position_weight=dpace", "train.lr=6e-4"],
-    # The anchors' default recipe, whole: random init, decay gamma, CE, lr 6e-4 with 4%
-    # warmup and a cosine, the exact head.
     "sampled_block4": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=sampled",
                        "drafter.block_size=4"],
     "sampled_block4_wsd": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=sampled",
                            "drafter.block_size=4", "train.lr_schedule=wsd"],
+    # The anchors' default recipe, whole: random init, decay gamma, CE, lr 6e-4 with 4%
+    # warmup and a cosine, the exact head.
     "control": ["drafter.init=random", "train.position_weight=decay", "train.loss=ce", "train.lr=6e-4",
                 "train.warmup_ratio=0.04", "train.lr_schedule=cosine", "train.head_vocab=full"],
 }
@@ -76,7 +76,6 @@ CALIBRATION_S = 90.0
 two, the allocator's and kernels' warm-up, not counted): a step's cost follows its
 batches' rows, and a few steps mis-estimated it by half (2026-12-05: 2.4 s/step timed
 over 6 steps, 3.1 over the run)."""
-
 
 
 def say(msg: str) -> None:
@@ -244,7 +243,7 @@ def run_variant(name: str, base: list[str], steps: int | None, marks: set[int], 
     if minutes is not None:
         # The full first epoch's config, timed: the same cache plan as the run's.
         s_step = calibrate(variant_config(name, base, epochs=RUN_EPOCHS), root)
-        steps = max(8, int(minutes * 60 / s_step))
+        steps = max(8, int(minutes * 60 / s_step))      # a run shorter than its calibration says nothing
         marks = {steps // 2}
         extra = {"minutes": minutes, "calibrated_s_per_step": round(s_step, 3)}
         say(f"{name}: {s_step:.2f} s/step -> {steps} steps in {minutes:g} min")

@@ -99,6 +99,7 @@ BUSY_WINDOW_S = 30.0    # status.json's busy_pct_30s
 FIRST_FORK_FLOOR_S = 30.0
 """The least a new fork server is given for its first fork (its imports come first)."""
 
+
 class JobState(enum.Enum):
     RUNNING = "running"
     STOPPING = "stopping"

@@ -34,10 +34,14 @@ from dflash_actors.eval.prepare import (
 from dflash_actors.eval.serving import ServerSettings
 from dflash_actors.models.target import resolve_target_dir
 from tests.support.leakcheck import TOKEN_VAR
-from tests.support.openai_stub import PROMPTS, served_chat
+from tests.support.openai_stub import PROMPTS as QUESTIONS
+from tests.support.openai_stub import served_chat
 from tests.support.pipeline import ROOT, free_port
 
 TRANSFORMERS = Path(sys.executable).with_name("transformers")
+PROMPTS = QUESTIONS + [{"messages": [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Name a colour."}]}]
+"""With a system message: the project's template, not the server's, must place it."""
 SPECIAL = {0, 1, 3}
 """The tiny target's special ids other than its end of turn (2): text drops them."""
 
@@ -92,7 +96,7 @@ class Served:
 @pytest.fixture(scope="module")
 def chat(cache_dir, tmp_path_factory):
     """``(target dir, prompts file)``: the tiny target with a tokenizer covering its vocabulary."""
-    return served_chat(cache_dir, tmp_path_factory.mktemp("served-chat"))
+    return served_chat(cache_dir, tmp_path_factory.mktemp("served-chat"), PROMPTS)
 
 
 @pytest.fixture(scope="module")

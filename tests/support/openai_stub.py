@@ -182,9 +182,9 @@ PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i}
 """The chat prompts the serving tests regenerate."""
 
 
-def served_chat(cache_dir: Path, out: Path) -> tuple[Path, Path]:
+def served_chat(cache_dir: Path, out: Path, prompts_list: list[dict] = PROMPTS) -> tuple[Path, Path]:
     """``(target dir, prompts file)``: the tiny target with a tokenizer covering its
-    vocabulary, and ``PROMPTS`` as JSONL, under ``out``."""
+    vocabulary, and ``prompts_list`` as JSONL, under ``out``."""
     from dflash_actors.config import load_config
     from dflash_actors.models.target import ensure_target
     from tests.support.pipeline import ROOT, SMALL
@@ -192,6 +192,5 @@ def served_chat(cache_dir: Path, out: Path) -> tuple[Path, Path]:
     cfg = load_config(ROOT / "configs/default.yaml", SMALL + [f"data.cache_dir={cache_dir}"])
     target = full_vocab_chat_target(out / "target", ensure_target(cfg))
     prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in prompts_list))
     return target, prompts
-
