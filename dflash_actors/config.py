@@ -234,6 +234,17 @@ class TrainConfig:
     ``bfloat16`` autocasts on CPU too (its matmuls run about twice as fast where the CPU
     has bf16 instructions; pair it with ``target.dtype: bfloat16``, whose vocabulary head the
     loss uses). The weights, gradient sums and AdamW state stay fp32 either way."""
+    drafter_block_tokens: Optional[int] = checked(None, optional(at_least(1)))
+    """Padded block tokens (the drafter's queries) per forward and backward: a batch's
+    anchors are trained in micro-batches of rows under this budget (and of at most as
+    many context tokens, or one row), whose gradients add up to the whole batch's at
+    float rounding (``train.drafter_step``). Saved activations grow with it (about
+    1.3 MiB per block token for an 8B-sized 5-layer drafter in bf16). None: the memory
+    plan chooses, the whole batch in one pass when that fits (``--plan-only`` shows it)."""
+    checkpoint_layers: Literal["auto", "on", "off"] = "auto"
+    """Recompute each drafter layer's activations in the backward instead of keeping
+    them: about a third more drafter compute for most of their memory. auto: the memory
+    plan turns it on only when no micro-batch of a whole sequence fits without it."""
     max_bad_steps: int = checked(3, at_least(0))
     """Steps in a row whose loss or gradient is not finite that are skipped (each one
     logged) before the job stops; its final checkpoint then holds the weights from
@@ -323,6 +334,11 @@ class JobRuntimeConfig(RuntimeConfig):
     memory after every batch, so a dying drafter loses nothing, at the price of
     copying the whole sum from and back to the device for every batch. The math is
     the same, bit for bit. ``benchmarks/bench_durability.py`` measures both."""
+    optimizer_device: str = "auto"
+    """Where the optimizer keeps the drafter's weights, both AdamW moments and the step's
+    gradient sum (about 6 x 4 bytes a parameter at its peak): ``cpu``, ``cuda:N``, or
+    auto: the memory plan's choice, the GPU of the drafters with the most room left,
+    else the host (``--plan-only`` shows it)."""
     feature_transport: Literal["auto", "host", "cuda"] = "auto"
     """Where the feature ring (the target's hidden states for the drafters) lives.
     ``host``: shared host memory, page-locked by every GPU actor that copies it;
@@ -330,6 +346,12 @@ class JobRuntimeConfig(RuntimeConfig):
     read in place by the drafters through CUDA IPC (peer to peer from other GPUs);
     ``auto``: cuda when every target and drafter is on a GPU that can reach that one
     peer to peer, else host."""
+
+
+    def __post_init__(self):
+        d = self.optimizer_device
+        if d not in ("auto", "cpu") and not (d.startswith("cuda:") and d[5:].isdigit()):
+            raise ConfigError(f"optimizer_device: 'auto', 'cpu' or 'cuda:N' (got {d!r})")
 
 
 @dataclass(frozen=True)
@@ -390,6 +412,10 @@ class Config:
             raise ConfigError(
                 f"data.max_seq_len: must be <= batching.token_budget={self.batching.token_budget}, "
                 f"or the longest sample fits no batch (got {self.data.max_seq_len})")
+        tokens = self.train.drafter_block_tokens
+        if tokens is not None and tokens < self.drafter.block_size:
+            raise ConfigError(f"train.drafter_block_tokens: must be >= drafter.block_size={self.drafter.block_size} "
+                              f"(one block; got {tokens})")
         if self.drafter.block_size > self.data.max_seq_len:
             raise ConfigError(
                 f"drafter.block_size: must be <= data.max_seq_len={self.data.max_seq_len} "

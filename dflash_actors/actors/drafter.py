@@ -37,9 +37,10 @@ from ..config import Config
 from ..data.batching import FEATURES, Batch, BatchMeta
 from ..models.drafter import build_drafter
 from ..models.head import load_head
-from ..models.loss import Objective, batch_loss
+from ..models.loss import Objective
 from ..runtime.actor import Actor
 from ..runtime.messages import ProtocolError
+from ..train.drafter_step import drafter_step, step_options
 from ..train.metrics import write_batch
 from ..train.params import GradAccumulators, WeightStore
 from ..train.schedule import Schedule
@@ -153,7 +154,5 @@ class Drafter(Actor):
             fake_backward(self.params)
             return no_stats(self.spec.cfg.drafter.block_size)
         epoch, i = self.spec.schedule.locate(b)
-        loss, stats = batch_loss(self.model, self.head, slot_features.to(self.device), batch, self.objective,
-                                 epoch=epoch, batch_id=i)
-        loss.backward()
-        return stats
+        return drafter_step(self.model, self.head, slot_features.to(self.device), batch, self.objective,
+                            epoch=epoch, batch_id=i, **step_options(self.spec.cfg))

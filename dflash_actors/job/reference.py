@@ -5,7 +5,8 @@ Order (M = ``topology.num_drafters``, A = ``train.grad_accum``), for each step s
 run (``schedule.Schedule``: one batch id space over all epochs):
   1. for drafter shard j = 0..M-1: zero the grads, then for every batch id b in
      ``Schedule.drafter_batches(s, j)``, in increasing b, add ``grad(loss_b)`` into
-     ``.grad`` by plain autograd accumulation (``shard_gradient``);
+     ``.grad`` by plain autograd accumulation, in the drafter actor's micro-batches
+     (``drafter_step``, ``train.drafter_block_tokens``; ``shard_gradient``);
   2. one step of the shared step math (``optim.reduce_and_step``): sum shards in j order,
      average over A*M, clip, AdamW, LR scheduler.
 Batch b is position i of epoch e's plan (``Schedule.locate``); batches after the last
@@ -35,10 +36,11 @@ from ..data.synthetic import train_path
 from ..eval.prepare import ensure_target_text
 from ..eval.tau import evaluate_drafter
 from ..models.drafter import DFlashDrafter, build_drafter
-from ..models.loss import BlockStats, Objective, batch_loss
+from ..models.loss import BlockStats, Objective
 from ..models.target import load_target
 from ..runtime.channels import dtype_name
 from ..train import feature_cache
+from ..train.drafter_step import drafter_step, step_options
 from ..train.optim import build_optimizer, build_scheduler, reduce_and_step
 from ..train.schedule import Plans, Schedule
 from ..train.simulate import feature_width
@@ -49,10 +51,9 @@ def shard_gradient(drafter: DFlashDrafter, head, items, cfg) -> tuple[list[torch
     in increasing batch id: zeroed grads, then ``loss_b.backward()`` for each. ``items``
     may be a generator; each item is used before the next is drawn."""
     drafter.zero_grad(set_to_none=False)
-    objective, total = Objective.from_config(cfg), None
+    objective, options, total = Objective.from_config(cfg), step_options(cfg), None
     for epoch, i, batch, features in items:
-        loss, stats = batch_loss(drafter, head, features, batch, objective, epoch=epoch, batch_id=i)
-        loss.backward()
+        stats = drafter_step(drafter, head, features, batch, objective, epoch=epoch, batch_id=i, **options)
         total = stats if total is None else total + stats
     return [p.grad.clone() for p in drafter.parameters()], total
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
@@ -156,13 +157,19 @@ class DFlashDrafter(nn.Module):
         context and are left out."""
         return self.hidden_norm(self.fc(features[..., :self.fc.in_features]))
 
-    def forward(self, noise: torch.Tensor, ctx: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+    def forward(self, noise: torch.Tensor, ctx: torch.Tensor, position_ids: torch.Tensor, attend,
+                checkpoint_layers: bool = False) -> torch.Tensor:
         """noise ``[N, Q, H]`` embeddings, ctx ``[N, C, H]`` (from ``context``), position_ids
-        ``[N, C+Q]``; returns normed hidden states ``[N, Q, H]`` for the target's lm_head."""
+        ``[N, C+Q]``; returns normed hidden states ``[N, Q, H]`` for the target's lm_head.
+        ``checkpoint_layers``: keep only each layer's input for the backward, which runs
+        the layer again (``train.checkpoint_layers``)."""
         rope = self.rotary_emb(noise, position_ids)
         x = noise
         for layer in self.layers:
-            x = layer(x, ctx, rope, attend)
+            if checkpoint_layers and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, rope, attend, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope, attend)
         return self.norm(x)
 
     # -- decoding with a context cache -------------------------------------------

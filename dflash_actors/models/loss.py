@@ -226,7 +226,7 @@ def pad_blocks(batch, anchors: list[np.ndarray], device) -> PaddedBlocks:
 
 
 def blocks_hidden(drafter, embed_tokens, ctx: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
-                  anchor_ids: torch.Tensor) -> torch.Tensor:
+                  anchor_ids: torch.Tensor, checkpoint_layers: bool = False) -> torch.Tensor:
     """Drafter hidden states ``[R, N, B, H]`` of blocks right-padded per row: one forward.
 
     ``ctx`` ``[R, C, H]`` is each row's drafter context (positions past ``lengths`` are
@@ -240,8 +240,23 @@ def blocks_hidden(drafter, embed_tokens, ctx: torch.Tensor, lengths: torch.Tenso
     noise = embed_tokens(noise_ids).reshape(R, n * B, -1).to(ctx.dtype)
     block_pos = (anchors[..., None] + torch.arange(B, device=dev)).reshape(R, n * B)
     positions = torch.cat([torch.arange(C, device=dev).expand(R, C), block_pos], dim=1)
-    out = drafter(noise, ctx, positions, make_attend(anchors, lengths, C, B))
+    out = drafter(noise, ctx, positions, make_attend(anchors, lengths, C, B), checkpoint_layers)
     return out.reshape(R, n, B, -1)
+
+
+def padded_hidden(drafter, embed_tokens, features: torch.Tensor, p: PaddedBlocks,
+                  checkpoint_layers: bool = False) -> torch.Tensor:
+    """Drafter hidden states ``[R, N, B, H]`` of the layout ``p`` of a packed batch whose
+    target features are ``features`` ``[T, k*H]``."""
+    rows = features[p.take]
+    if not torch.is_autocast_enabled(rows.device.type):
+        # Under autocast fc casts to its compute dtype itself: bf16 features then go
+        # in as they are, never through an fp32 copy of [T, k*H].
+        rows = rows.to(drafter.fc.weight.dtype)
+    ctx_rows = drafter.context(rows)
+    ctx = ctx_rows.new_zeros((len(p.seq), p.tokens.shape[1], ctx_rows.shape[-1])).index_put((p.row, p.col), ctx_rows)
+    return blocks_hidden(drafter, embed_tokens, ctx, p.lengths, p.anchors, p.tokens.gather(1, p.anchors),
+                         checkpoint_layers)
 
 
 def batch_hidden(drafter, embed_tokens, features: torch.Tensor, batch,
@@ -249,9 +264,7 @@ def batch_hidden(drafter, embed_tokens, features: torch.Tensor, batch,
     """``(hidden [R, N, B, H], layout)`` for the anchors of a packed batch (at least one
     somewhere); ``features`` are its packed target features ``[T, k*H]``."""
     p = pad_blocks(batch, anchors, features.device)
-    ctx_rows = drafter.context(features[p.take].to(drafter.fc.weight.dtype))
-    ctx = ctx_rows.new_zeros((len(p.seq), p.tokens.shape[1], ctx_rows.shape[-1])).index_put((p.row, p.col), ctx_rows)
-    return blocks_hidden(drafter, embed_tokens, ctx, p.lengths, p.anchors, p.tokens.gather(1, p.anchors)), p
+    return padded_hidden(drafter, embed_tokens, features, p), p
 
 
 def block_hidden(drafter, embed_tokens, ctx: torch.Tensor, tokens: torch.Tensor,
@@ -517,11 +530,96 @@ class Objective:
                    t.loss, training_vocab(cfg), t.head_negatives if t.head_vocab == "sampled" else 0)
 
 
+@dataclass
+class Blocks:
+    """The blocks of some rows' anchors laid out for one drafter forward (``pad_blocks``),
+    with their labels and the supervised ``(row, block, slot)`` positions: everything
+    that follows from token ids and loss masks alone, known before any forward."""
+
+    p: PaddedBlocks
+    labels: torch.Tensor      # [R, N, B]
+    valid: torch.Tensor       # [R, N, B] bool: a real block's slot k >= 1 inside its row with m = 1
+    rows: tuple               # valid.nonzero(as_tuple=True)
+
+    def decay_weights(self, gamma: float) -> torch.Tensor:
+        """``exp(-(k-1)/gamma)`` of each supervised position, in ``rows`` order."""
+        B = self.valid.shape[-1]
+        return slot_decay(B, gamma).to(self.valid.device).expand(self.valid.shape)[self.rows]
+
+
+def lay_out(batch, anchors: list[np.ndarray], block_size: int, device) -> Blocks:
+    """``Blocks`` of ``batch`` for ``anchors`` per row (at least one somewhere)."""
+    p = pad_blocks(batch, anchors, device)
+    labels, valid = block_labels(p.tokens, p.loss_mask, p.anchors, block_size)
+    valid &= p.real[..., None]
+    return Blocks(p, labels, valid, valid.nonzero(as_tuple=True))
+
+
+def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: float, *,
+                compute_dtype: str = "auto", head_loss: str = "fused", position_weight: str = "decay",
+                dpace_alpha: float = 0.5, loss: str = "ce", vocab: VocabRows | None = None,
+                weights: torch.Tensor | None = None, total_weight: torch.Tensor | None = None,
+                checkpoint_layers: bool = False) -> tuple[torch.Tensor, tuple]:
+    """``(sum(CE*w) / total_weight, tally)`` over ``blocks`` (``dflash_loss`` says what
+    each option does); ``total_weight`` defaults to these blocks' own ``sum(w)``, and a
+    micro-batch passes the whole batch's instead, so that its gradients add up to the
+    batch's. ``weights``: the slot weights of ``blocks.rows``, when the caller has them
+    (D-PACE over micro-batches). ``tally`` is what ``block_stats`` counts."""
+    B = drafter.block_size
+    with autocast_for(features.device, compute_dtype):
+        hidden = padded_hidden(drafter, head.embed_tokens, features, blocks.p, checkpoint_layers)
+    p, valid, rows = blocks.p, blocks.valid, blocks.rows
+    lab = blocks.labels[rows]
+    teacher = teacher_rows(features, p, rows, hidden.shape[-1]) if loss == "distill" else None
+    W = head.lm_head.weight
+    if vocab is None:
+        ce, pred, hard = head_ce(hidden[rows], W, lab, head_loss, teacher)
+    else:
+        ce, pred, hard = restricted_ce(hidden[rows], W, lab, vocab, head_loss, teacher)
+    if weights is not None:
+        w = weights
+    elif position_weight == "dpace":
+        w = dpace_weights(hard, valid, rows, dpace_alpha)
+    else:
+        w = blocks.decay_weights(gamma)
+    wce, wsum = (ce * w).sum(), w.sum()
+    correct = torch.zeros_like(valid)
+    correct[rows] = pred == lab
+    return wce / (wsum if total_weight is None else total_weight), (correct, wce.detach(), wsum, hard.detach())
+
+
+def block_stats(blocks: Blocks, tally: tuple) -> "BlockStats":
+    """The ``BlockStats`` of ``blocks_loss``'s tally."""
+    correct, wce, wsum, _ = tally
+    valid = blocks.valid
+    leading = correct[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
+    return BlockStats(
+        blocks=int(blocks.p.real.sum()), accepted=int(leading.sum()),
+        slot_correct=correct.long().sum((0, 1)).cpu(), slot_total=valid.long().sum((0, 1)).cpu(),
+        weighted_ce=float(wce), weight=float(wsum))
+
+
+def no_blocks(drafter) -> tuple[torch.Tensor, "BlockStats"]:
+    """A batch without an anchor: a zero loss that still reaches every parameter (so
+    gradient accumulation needs no special case), and empty stats."""
+    B = drafter.block_size
+    zero = sum(p.sum() for p in drafter.parameters()) * 0.0
+    return zero, BlockStats(0, 0, torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), 0.0, 0.0)
+
+
+def as_rows(vocab, head) -> VocabRows | None:
+    """``vocab`` (None, sorted token ids, or ``VocabRows``) as ``VocabRows`` of ``head``."""
+    if vocab is None or isinstance(vocab, VocabRows):
+        return vocab
+    W = head.lm_head.weight
+    return VocabRows(vocab, W.shape[0], W.device)
+
+
 def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.ndarray],
                 gamma: float, *, compute_dtype: str = "auto", head_loss: str = "fused",
                 position_weight: str = "decay", dpace_alpha: float = 0.5,
                 loss: str = "ce", vocab: torch.Tensor | VocabRows | None = None) -> tuple[torch.Tensor, BlockStats]:
-    """``(loss, stats)`` for a packed batch given its anchors per row.
+    """``(loss, stats)`` for a packed batch given its anchors per row, in one forward.
 
     ``head`` provides the frozen target ``embed_tokens`` and ``lm_head``; ``features``
     are the packed target features ``[T, k*H]``. The drafter runs under
@@ -532,53 +630,36 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     each slot learns the target's softmax there, one position back. With ``vocab`` (sorted
     token ids, or ``VocabRows``) the softmax, its argmax and the teacher's run over those
     rows of the head only (``train.head_vocab``). With no anchor anywhere in the batch the loss
-    is a zero that still reaches every parameter, so gradient accumulation needs no
-    special case.
+    is ``no_blocks``'. Training splits a batch into micro-batches (``train.drafter_step``).
     """
-    B = drafter.block_size
     if not any(len(a) for a in anchors):
-        zero = sum(p.sum() for p in drafter.parameters()) * 0.0
-        return zero, BlockStats(0, 0, torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), 0.0, 0.0)
-    with autocast_for(features.device, compute_dtype):
-        hidden, p = batch_hidden(drafter, head.embed_tokens, features, batch, anchors)
-    labels, valid = block_labels(p.tokens, p.loss_mask, p.anchors, B)
-    valid &= p.real[..., None]
-    rows = valid.nonzero(as_tuple=True)
-    lab = labels[rows]
-    teacher = teacher_rows(features, p, rows, hidden.shape[-1]) if loss == "distill" else None
+        return no_blocks(drafter)
+    blocks = lay_out(batch, anchors, drafter.block_size, features.device)
+    value, tally = blocks_loss(drafter, head, features, blocks, gamma, compute_dtype=compute_dtype,
+                               head_loss=head_loss, position_weight=position_weight, dpace_alpha=dpace_alpha,
+                               loss=loss, vocab=as_rows(vocab, head))
+    return value, block_stats(blocks, tally)
+
+
+def batch_vocab(objective: "Objective", head, epoch: int, batch_id: int) -> VocabRows | torch.Tensor | None:
+    """The head rows batch ``batch_id`` of ``epoch`` trains over: ``objective.vocab``,
+    plus (``head_vocab: sampled``) its negatives, drawn from (seed, epoch, batch) so that
+    every process that makes this batch's gradient draws the same rows."""
+    o = objective
+    if o.vocab is None or not o.negatives:
+        return o.vocab
+    seed = np.random.SeedSequence([o.seed, epoch, batch_id, NEGATIVES_TAG]).generate_state(1)[0]
+    g = torch.Generator().manual_seed(int(seed))
     W = head.lm_head.weight
-    if vocab is None:
-        ce, pred, hard = head_ce(hidden[rows], W, lab, head_loss, teacher)
-    else:
-        if not isinstance(vocab, VocabRows):
-            vocab = VocabRows(vocab, W.shape[0], W.device)
-        ce, pred, hard = restricted_ce(hidden[rows], W, lab, vocab, head_loss, teacher)
-    if position_weight == "dpace":
-        w = dpace_weights(hard, valid, rows, dpace_alpha)
-    else:
-        w = slot_decay(B, gamma).to(features.device).expand(valid.shape)[rows]
-    wce, wsum = (ce * w).sum(), w.sum()
-    correct = torch.zeros_like(valid)
-    correct[rows] = pred == lab
-    leading = correct[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
-    stats = BlockStats(
-        blocks=int(p.real.sum()), accepted=int(leading.sum()),
-        slot_correct=correct.long().sum((0, 1)).cpu(), slot_total=valid.long().sum((0, 1)).cpu(),
-        weighted_ce=float(wce.detach()), weight=float(wsum))
-    return wce / wsum, stats
+    return VocabRows.sampled(o.vocab, W.shape[0], o.negatives, g, W.device)
 
 
 def batch_loss(drafter, head, features: torch.Tensor, batch, objective: Objective, *,
                epoch: int, batch_id: int) -> tuple[torch.Tensor, BlockStats]:
-    """The training loss of batch ``batch_id`` of ``epoch``: seeded anchors, then ``dflash_loss``."""
+    """The training loss of batch ``batch_id`` of ``epoch`` in one forward: seeded
+    anchors, then ``dflash_loss`` (``train.drafter_step`` trains it in micro-batches)."""
     o = objective
-    vocab = o.vocab
-    if vocab is not None and o.negatives:
-        # Drawn from (seed, epoch, batch): every process that makes this batch's gradient draws the same rows.
-        seed = np.random.SeedSequence([o.seed, epoch, batch_id, NEGATIVES_TAG]).generate_state(1)[0]
-        g = torch.Generator().manual_seed(int(seed))
-        W = head.lm_head.weight
-        vocab = VocabRows.sampled(vocab, W.shape[0], o.negatives, g, W.device)
     return dflash_loss(drafter, head, features, batch, batch_anchors(batch, o.num_anchors, o.seed, epoch, batch_id),
                        o.gamma, compute_dtype=o.compute_dtype, head_loss=o.head_loss,
-                       position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss, vocab=vocab)
+                       position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss,
+                       vocab=batch_vocab(o, head, epoch, batch_id))
