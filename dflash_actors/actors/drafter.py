@@ -29,13 +29,14 @@ copied out of the slot (and their stamp checked), and every gradient still writt
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from ..config import Config
 from ..data.batching import FEATURES, Batch, BatchMeta
-from ..models.drafter import build_drafter
+from ..models.drafter import drafter_shell
 from ..models.head import load_head
 from ..models.loss import Objective
 from ..runtime.actor import Actor
@@ -70,7 +71,7 @@ class Drafter(Actor):
         self.starting("load the target's embeddings and head")
         self.head = load_head(self.spec.cfg, self.device)
         self.starting("build drafter")
-        self.model = build_drafter(self.spec.cfg, self.head)
+        self.model = drafter_shell(self.spec.cfg, self.head)
         self.params = list(self.model.parameters())
         self.objective = Objective.from_config(self.spec.cfg)
         self.version = -1
@@ -82,9 +83,11 @@ class Drafter(Actor):
         if self.sim is not None:
             like = self.in_ring.slot(0)[FEATURES]
             self.sink = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        self.in_ring.pin()
-        if self.device.type == "cuda":
-            self.spec.grads.pin()
+        self.in_ring.pin(self.device)
+        self.spec.grads.pin(self.device)
+        self.spec.weights.pin(self.device, moments=False)
+        self.cold = self.device.type == "cuda"
+        """The next batch is this process's first on a GPU: it compiles flex attention."""
 
     def poison(self, w) -> None:
         self.nan_batch = w.batch_id
@@ -108,7 +111,11 @@ class Drafter(Actor):
         meta = BatchMeta(*self.ledger.meta(b))
         slot = self.in_ring.slot(w.in_slot)
         batch = Batch.from_slot(slot, meta).to(self.device)
-        with self.span("drafter forward/backward", b, tokens=meta.n_tokens):
+        # A GPU's first batch compiles flex attention and its block mask, cold: minutes
+        # with no loop to beat from, so it beats for up to 10 minutes past the hang timeout.
+        cold, self.cold = self.cold, False
+        compiling = self.beating(self.spec.cfg.runtime.hang_timeout_s + 600) if cold else contextlib.nullcontext()
+        with self.span("drafter forward/backward", b, tokens=meta.n_tokens), compiling:
             stats = self._train(b, batch, slot[FEATURES][:meta.n_tokens])
         if self.nan_batch == b:     # runtime.faults kind "nan": the optimizer must catch it
             for p in self.params:

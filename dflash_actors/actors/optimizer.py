@@ -43,7 +43,7 @@ import torch
 
 from ..cluster.exchange import ClusterError, Exchange
 from ..config import Config
-from ..models.drafter import build_drafter
+from ..models.drafter import drafter_shell
 from ..models.head import target_info
 from ..runtime.actor import Actor, Escalate
 from ..runtime.messages import ProtocolError
@@ -96,9 +96,13 @@ class Optimizer(Actor):
         spec, store = self.spec, self.spec.weights
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
-            spec.grads.pin()
+            # Before anything touches CUDA: the pinning's context, and the heartbeat's
+            # gpu_mb, belong to this device, not cuda:0.
+            torch.cuda.set_device(self.device)
+        spec.grads.pin(self.device)
+        store.pin(self.device, moments=True)
         self.starting("build drafter")
-        self.model = build_drafter(spec.cfg, target_info(spec.cfg, self.device))
+        self.model = drafter_shell(spec.cfg, target_info(spec.cfg, self.device))
         self.params = list(self.model.parameters())
         self.opt = build_optimizer(self.params, spec.cfg.train)
         self.sched = build_scheduler(self.opt, spec.cfg.train, spec.schedule.total_steps)
@@ -133,8 +137,9 @@ class Optimizer(Actor):
                                     f"{acc.last_batch(j)}; step {s} needs {len(batches)} ending at {batches[-1]}")
         x = self.spec.exchange
         if x is None:
-            with self.span("gradient read", b):
-                shard_grads = [[g.to(self.device) for g in acc.active(j)] for j in range(sched.num_drafters)]
+            # Read by the step, one drafter's sum at a time: the device holds the total
+            # and at most one shard, not all M.
+            shard_grads = (acc.active(j) for j in range(sched.num_drafters))
             stats, tokens = fold_step(self.spec.batch_stats, shards)
             count = sum(acc.count(j) for j in range(sched.num_drafters))
         else:
@@ -144,7 +149,7 @@ class Optimizer(Actor):
                     x.wait(s)
                 except ClusterError as e:
                     raise ClusterLost(str(e)) from None
-            shard_grads = [[g.to(self.device) for g in acc.layout.views(x.total)]]
+            shard_grads = [acc.layout.views(x.total)]
             a = sched.per_step // sched.num_drafters
             stats, tokens = fold_step(x.rows, [range(i, i + a) for i in range(0, len(x.rows), a)])
             count = x.count

@@ -119,8 +119,8 @@ class Target(Actor):
         else:
             like = self.out_ring.slot(0)[FEATURES]
             self.fake = torch.zeros(like.shape, dtype=like.dtype, device=self.device)
-        self.in_ring.pin()
-        self.out_ring.pin()
+        self.in_ring.pin(self.device)
+        self.out_ring.pin(self.device)
         if self.spec.cache is not None and self.device.type == "cuda":
             self.spec.cache.pin()
 
@@ -159,27 +159,30 @@ class Target(Actor):
         src, dst = self.in_ring.slot(w.in_slot), self.out_ring.slot(w.out_slot)
         copy_batch(src, dst, meta)
         batch = Batch.from_slot(src, meta).to(self.device, non_blocking=True)
+        out = dst[FEATURES][:meta.n_tokens]
         if self.spec.cache is None:
             with self.span("target forward", b, tokens=meta.n_tokens):
-                features = self._forward(batch, meta.n_tokens, b)
+                features = self._forward(batch, meta.n_tokens, b, out)
         else:
             with self.span("cached features", b, tokens=meta.n_tokens):
                 features = self.spec.cache.features(
                     self.spec.schedule.global_id(b), src["sample_ids"][:meta.n_samples].numpy(),
                     src["cu_seqlens"][:meta.n_samples + 1].numpy(), batch, self.model.features, self.device,
                     self.ctx.index, midway=lambda: self.fault_point("cache", b))
-        out = dst[FEATURES][:meta.n_tokens]
         with self.span("feature copy", b, bytes=out.numel() * out.element_size()):
-            out.copy_(features)
+            if features is not out:
+                out.copy_(features)
             # The slot must be complete before the commit: on our device, and on the
             # ring's when the feature ring lives on another GPU (peer to peer).
             for dev in {self.device, out.device}:
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
 
-    def _forward(self, batch: Batch, n_tokens: int, b: int) -> torch.Tensor:
+    def _forward(self, batch: Batch, n_tokens: int, b: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The batch's features; a real forward writes them into ``out`` when given
+        (each layer's rows as it ends, with no whole-batch copy), a simulated one does not."""
         if self.sim is None:
-            return self.model.features(batch)
+            return self.model.features(batch, out=out)
         wait(self.sim.target_s(n_tokens))
         stamp(self.fake, n_tokens, b)
         return self.fake[:n_tokens]

@@ -30,14 +30,20 @@ on every node continues (node 0 broadcasts its checkpoint). Only node 0 writes
 checkpoints and runs the evaluator.
 
 Backends: gloo for the control traffic, always; the gradient chain uses NCCL when
-``runtime.collective_backend`` says so (``auto``: when the drafters are on CUDA).
+``runtime.collective_backend`` says so (``auto``: when the drafters are on CUDA). A lost
+node ends an NCCL chain as it ends a gloo one: a failed collective aborts only the
+communicator (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless set; NCCL's default kills the
+supervisor), the chain's end waits with the group's timeout and raises, and the
+supervisor aborts the group before it joins the link thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
+import os
 import threading
 import time
 from typing import Callable, Optional
@@ -54,6 +60,9 @@ CHUNK = 1 << 22
 """Gradient floats per chunk of the chain (16 MB): nodes overlap receive, add and send."""
 HDR = 7
 """Header of a node's stats row block: step, node, batches, digest (4 x 32 bits)."""
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+"""What NCCL does on a failed or timed-out collective, read when a group is made (the
+second name is the deprecated one)."""
 
 
 def digest(weights, version: int) -> str:
@@ -131,7 +140,9 @@ class Link:
             torch.cuda.set_device(torch.device(self.bulk_device))
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = pg_timeout
-            self.bulk = dist.ProcessGroupNCCL(dist.PrefixStore(self._key("nccl"), self.store), n.rank, n.nodes, opts)
+            with _abort_communicator_only():
+                self.bulk = dist.ProcessGroupNCCL(dist.PrefixStore(self._key("nccl"), self.store), n.rank, n.nodes,
+                                                  opts)
         self._beater = _thread(self._beat, "cluster-beat")
 
     def broadcast_start(self, header: torch.Tensor, body: torch.Tensor) -> None:
@@ -238,9 +249,15 @@ class Link:
             w.wait()
         opts = dist.BroadcastOptions()
         opts.rootRank = last
-        self.bulk.broadcast([work], opts).wait()
-        if dev is not None:
-            total.copy_(work)
+        done = self.bulk.broadcast([work], opts)
+        if dev is None:
+            done.wait()
+            return
+        # On NCCL a plain wait only orders streams. Blocking, with the group's timeout:
+        # a chain cut by a lost node (or an aborted group) raises here instead of
+        # handing out a partial sum.
+        done.wait(datetime.timedelta(seconds=self.timeout_s))
+        total.copy_(work)
 
     # -- liveness -----------------------------------------------------------------
 
@@ -319,8 +336,14 @@ class Link:
     # -- the end ------------------------------------------------------------------
 
     def stop(self) -> None:
-        """End the exchange thread (the supervisor has returned)."""
+        """End the exchange thread (the supervisor has returned). After a failure the
+        NCCL group is aborted first: a chain cut by a lost node would keep the thread
+        until the group's timeout."""
         self._stop.set()
+        if self.failure and self.bulk_device is not None:
+            abort = getattr(self.bulk, "abort", None)    # None: never joined
+            if abort is not None:
+                abort()
         if self._server is not None:
             self._server.join()
             self._server = None
@@ -376,6 +399,22 @@ class Link:
 
     def _key(self, name: str) -> str:
         return self.node.prefix + name
+
+
+@contextlib.contextmanager
+def _abort_communicator_only():
+    """While an NCCL group is made: on a failed or timed-out collective abort its
+    communicator (2) instead of NCCL's default (3), which takes the whole process down:
+    here the supervisor, before it can end naming the lost node, with node 0's final
+    checkpoint. Not where the user chose; for this group only, not for actors spawned later."""
+    if any(k in os.environ for k in NCCL_ERROR_HANDLING):
+        yield
+        return
+    os.environ[NCCL_ERROR_HANDLING[0]] = "2"
+    try:
+        yield
+    finally:
+        os.environ.pop(NCCL_ERROR_HANDLING[0], None)
 
 
 def _thread(fn, name: str) -> threading.Thread:

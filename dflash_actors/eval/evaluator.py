@@ -23,13 +23,16 @@ Why its own process and not "between steps": an evaluation of a real model takes
 seconds to minutes; between steps, every drafter would wait for it. Here it competes
 only for CPU (it runs at a lower priority) or its own ``eval.device``.
 
-What a version costs: only the drafter. The held-out texts' target features, and the
-target's greedy continuation of the real-tau prompts with its features, are computed
-once at the start; real tau then follows from the drafter's blocks on that text, as in
-decoding (lossless decoding verifies exactly that text), without the target forward per
-verify step that decoding for real costs. On SmolLM2 a version takes about 5 s of one
-CPU thread (90 s when it decoded for real) and about 45 s beside training on 2 cores at
-this lower priority (docs/watching.md).
+What a version costs: only the drafter and the target's frozen head. The held-out
+texts' target features, and the target's greedy continuation of the real-tau prompts
+with its features, are computed once at the start; real tau then follows from the
+drafter's blocks on that text, as in decoding (lossless decoding verifies exactly that
+text), without the target forward per verify step that decoding for real costs. So the
+whole target is released once those are computed (``prepare``): for the rest of the run
+``eval.device`` holds the drafter, the features and the target's ``embed_tokens`` and
+``lm_head``, not a second copy of the target beside ``target.0`` (54 GB at 27B). On
+SmolLM2 a version takes about 5 s of one CPU thread (90 s when it decoded for real) and
+about 45 s beside training on 2 cores at this lower priority (docs/watching.md).
 
 Weights are read without a lock, seqlock style: version v lives in buffer v % 2 and the
 optimizer rewrites that buffer only while building v + 2, which it cannot start before
@@ -39,6 +42,7 @@ therefore whole; otherwise it is discarded and taken again.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -52,8 +56,8 @@ import torch
 
 from ..data.dataset import open_dataset
 from ..data.synthetic import ensure_synthetic_dataset
-from ..models.drafter import build_drafter
-from ..models.target import load_target
+from ..models.drafter import DFlashDrafter, build_drafter
+from ..models.target import TargetModel, load_target
 from ..runtime.boot import Deferred, boot
 from ..runtime.files import cannot_write
 from .tau import TargetTexts, completion_mask, drafter_correct, replayed_tau, text_features, text_metrics
@@ -102,14 +106,38 @@ def heldout_path(cfg) -> Path:
     return ensure_synthetic_dataset(cfg.data)[1]
 
 
+class Head:
+    """What evaluating a version reads of the target (``tau.drafter_correct`` given the
+    features): its frozen embeddings and vocabulary head, their device and dtype."""
+
+    def __init__(self, target: TargetModel):
+        self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
+        self.device, self.dtype = target.device, target.dtype
+
+
+def prepare(cfg) -> tuple[DFlashDrafter, Head, HeldOut]:
+    """The drafter to load versions into, the target's ``Head`` and the ``HeldOut`` set,
+    on ``eval.device``; the rest of the target is freed before this returns."""
+    target = load_target(cfg, cfg.eval.device)
+    drafter = build_drafter(cfg, target).eval()
+    heldout = HeldOut(cfg, target, cfg.eval.max_samples, cfg.eval.real_prompts, cfg.eval.max_new_tokens)
+    head = Head(target)
+    del target
+    gc.collect()
+    if head.device.type == "cuda":      # the caching allocator would keep the freed layers reserved
+        with torch.cuda.device(head.device):
+            torch.cuda.empty_cache()
+    return drafter, head, heldout
+
+
 @torch.no_grad()
-def evaluate_version(drafter, target, heldout: HeldOut) -> dict:
-    correct, valid = zip(*(drafter_correct(drafter, target, ids, completion_mask(len(ids), first), feats)
+def evaluate_version(drafter, head: Head | TargetModel, heldout: HeldOut) -> dict:
+    correct, valid = zip(*(drafter_correct(drafter, head, ids, completion_mask(len(ids), first), feats)
                            for ids, first, feats in heldout.items))
     out = {"simulated": text_metrics(np.concatenate(correct), np.concatenate(valid))}
     tt = heldout.real
     if tt is not None:
-        rows = [drafter_correct(drafter, target, x, completion_mask(len(x), len(p)), f)
+        rows = [drafter_correct(drafter, head, x, completion_mask(len(x), len(p)), f)
                 for p, x, f in zip(tt.prompts, tt.texts, heldout.real_feats)]
         r = replayed_tau(rows, tt, drafter.block_size)
         out["real"] = {k: r[k] for k in ("tau", "tau_pooled", "per_position", "verify_steps")}
@@ -124,10 +152,8 @@ def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, p
     except OSError:
         pass
     torch.set_num_threads(cfg.train.num_threads)
-    target = load_target(cfg, cfg.eval.device)
-    drafter = build_drafter(cfg, target).eval()
+    drafter, head, heldout = prepare(cfg)
     params = list(drafter.parameters())
-    heldout = HeldOut(cfg, target, cfg.eval.max_samples, cfg.eval.real_prompts, cfg.eval.max_new_tokens)
     due = due_versions(first_version, last_version, cfg.eval.every)
     path = Path(run_dir) / "metrics.jsonl"
     while due and os.getppid() == parent:
@@ -146,7 +172,7 @@ def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, p
                 p.copy_(w)
         t = time.perf_counter()
         line = {"kind": "eval", "step": v, "time": round(time.time(), 3),
-                **evaluate_version(drafter, target, heldout)}
+                **evaluate_version(drafter, head, heldout)}
         line["wall_s"] = round(time.perf_counter() - t, 2)
         try:
             with open(path, "a") as f:

@@ -208,21 +208,7 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> "DFlashDrafter":
         path = Path(path)
-        if not is_drafter_dir(path):
-            raise ValueError(f"{path}: not a drafter directory (needs config.json and {WEIGHTS})")
-        conf = path / "config.json"
-        try:
-            d = json.loads(conf.read_text())
-        except (OSError, ValueError) as e:      # ValueError: JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"{conf}: not readable as JSON ({e})") from None
-        if not isinstance(d, dict) or not {"block_size", "dflash_config"} <= set(d):
-            raise ValueError(f"{conf}: not a DFlash drafter config (needs block_size and dflash_config)")
-        _check_supported(path, d)
-        extra = {k: d.pop(k) for k in ("block_size", "num_target_layers", "dflash_config", "auto_map") if k in d}
-        cfg = Qwen3Config.from_dict(d)
-        for k, v in extra.items():
-            setattr(cfg, k, v)
-        model = cls(cfg)
+        model = cls(read_config(path))
         try:
             state = load_file(str(path / WEIGHTS))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, or OSError
@@ -232,6 +218,27 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"{path}: weights do not match its config.json "
                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         return model.to(device)
+
+
+def read_config(path: str | Path) -> Qwen3Config:
+    """The config of a drafter directory (what ``save_pretrained`` writes), refused
+    unless it describes a drafter this module computes."""
+    path = Path(path)
+    if not is_drafter_dir(path):
+        raise ValueError(f"{path}: not a drafter directory (needs config.json and {WEIGHTS})")
+    conf = path / "config.json"
+    try:
+        d = json.loads(conf.read_text())
+    except (OSError, ValueError) as e:      # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{conf}: not readable as JSON ({e})") from None
+    if not isinstance(d, dict) or not {"block_size", "dflash_config"} <= set(d):
+        raise ValueError(f"{conf}: not a DFlash drafter config (needs block_size and dflash_config)")
+    _check_supported(path, d)
+    extra = {k: d.pop(k) for k in ("block_size", "num_target_layers", "dflash_config", "auto_map") if k in d}
+    cfg = Qwen3Config.from_dict(d)
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    return cfg
 
 
 def _check_supported(path: Path, d: dict) -> None:
@@ -364,32 +371,57 @@ def target_reader(cfg, target):
     return read
 
 
-def build_drafter(cfg, target) -> DFlashDrafter:
-    """The drafter a run starts from: ``drafter.init_from`` if set, else a fresh one
-    initialised from ``cfg.train.seed`` (identical in every process) and, with
-    ``drafter.init: target``, parts of it copied from the target (``init_from_target``)."""
+def start_config(cfg, target) -> Qwen3Config:
+    """The config of the drafter a run starts from: ``drafter.init_from``'s, checked
+    against this run, else a fresh one for ``target``."""
     if cfg.drafter.mask_token_id is not None:
         mask_id, reason = cfg.drafter.mask_token_id, "set by drafter.mask_token_id"
     else:
         mask_id, reason = _default_mask_token(cfg, target)
     if not 0 <= mask_id < target.vocab_size:
         raise ValueError(f"drafter.mask_token_id: {mask_id} is outside the target's vocab of {target.vocab_size}")
+    if cfg.drafter.init_from is None:
+        return drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
+                              mask_id, reason, target.vocab_size)
+    if not Path(cfg.drafter.init_from).exists():
+        raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} does not exist")
+    try:
+        config = read_config(cfg.drafter.init_from)
+    except ValueError as e:     # its message names the file; the key says where the path came from
+        raise ValueError(f"drafter.init_from: {e}") from None
+    dc = config.dflash_config
+    have = (list(dc["target_layer_ids"]), int(config.block_size), int(dc["mask_token_id"]), config.hidden_size)
+    want = (target.layer_ids, cfg.drafter.block_size, mask_id, target.hidden_size)
+    if have != want:
+        raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} has (layer ids, block, mask id, hidden) "
+                         f"{have}, this run needs {want} (mask id: {reason})")
+    return config
+
+
+def build_drafter(cfg, target) -> DFlashDrafter:
+    """The drafter a run starts from: ``drafter.init_from`` if set, else a fresh one
+    initialised from ``cfg.train.seed`` (identical in every process) and, with
+    ``drafter.init: target``, parts of it copied from the target (``init_from_target``)."""
+    config = start_config(cfg, target)
     if cfg.drafter.init_from is not None:
-        if not Path(cfg.drafter.init_from).exists():
-            raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} does not exist")
         try:
-            d = DFlashDrafter.from_pretrained(cfg.drafter.init_from, target.device)
-        except ValueError as e:     # its message names the file; the key says where the path came from
+            return DFlashDrafter.from_pretrained(cfg.drafter.init_from, target.device)
+        except ValueError as e:
             raise ValueError(f"drafter.init_from: {e}") from None
-        have = (d.target_layer_ids, d.block_size, d.mask_token_id, d.config.hidden_size)
-        want = (target.layer_ids, cfg.drafter.block_size, mask_id, target.hidden_size)
-        if have != want:
-            raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} has (layer ids, block, mask id, hidden) "
-                             f"{have}, this run needs {want} (mask id: {reason})")
-        return d
-    dcfg = drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
-                          mask_id, reason, target.vocab_size)
-    d = DFlashDrafter(dcfg).init_weights(cfg.train.seed)
+    d = DFlashDrafter(config).init_weights(cfg.train.seed)
     if cfg.drafter.init == "target":
         init_from_target(d, target_reader(cfg, target), int(target.config.num_hidden_layers), cfg.drafter.init_parts)
     return d.to(target.device)
+
+
+def drafter_shell(cfg, target) -> DFlashDrafter:
+    """``build_drafter``'s drafter, its checks included, with parameters left
+    uninitialised: for a process that loads them (``WeightStore.load_params``) before
+    any use. Drawing every weight first would cost seconds per start at 8B scale."""
+    config = start_config(cfg, target)
+    with torch.device("meta"):
+        d = DFlashDrafter(config)
+    d.to_empty(device=target.device)
+    # Buffers are computed, never loaded: the rotary frequencies must be a normal build's.
+    d.rotary_emb = Qwen3RotaryEmbedding(config).to(target.device)
+    return d

@@ -79,9 +79,9 @@ class TargetModel:
         self._decoder = model.get_decoder()
 
     @torch.no_grad()
-    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Feature layers of a right-padded ``[B, L]`` batch, concatenated: ``[B, L, k*H]``."""
-        captured: dict[int, torch.Tensor] = {}
+    def _run(self, input_ids: torch.Tensor, keep: Callable[[int, torch.Tensor], None]) -> None:
+        """The forward of a right-padded ``[B, L]`` batch up to its deepest feature layer;
+        ``keep(i, h)`` gets ``feature_ids[i]``'s output ``h`` ``[B, L, H]`` as that layer ends."""
         layers = self._decoder.layers
         last = max(self.feature_ids)
 
@@ -90,7 +90,9 @@ class TargetModel:
                 out = output[0] if isinstance(output, tuple) else output
                 if idx == self.num_layers - 1:
                     out = self._decoder.norm(out)
-                captured[idx] = out
+                for i, L in enumerate(self.feature_ids):
+                    if L == idx:
+                        keep(i, out)
                 if idx == last:
                     raise _Stop
             return fn
@@ -104,13 +106,30 @@ class TargetModel:
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat([captured[L] for L in self.feature_ids], dim=-1)
 
-    def features(self, batch) -> torch.Tensor:
-        """Packed features ``[T, k*H]`` aligned with ``batch.input_ids``."""
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Feature layers of a right-padded ``[B, L]`` batch, concatenated: ``[B, L, k*H]``."""
+        captured = [None] * len(self.feature_ids)
+        self._run(input_ids, captured.__setitem__)
+        return torch.cat(captured, dim=-1)
+
+    def features(self, batch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed features ``[T, k*H]`` aligned with ``batch.input_ids``, written into
+        ``out`` (any device and dtype) when given."""
         batch = batch.to(self.device)
         row, col = batch.pad_index()
-        return self.hidden(batch.padded())[row, col]
+        h = self.hidden_size
+
+        # Each layer's packed rows go to their columns as soon as the layer ends, so
+        # neither all layers padded nor a packed copy of them ever exist at once.
+        def keep(i: int, layer: torch.Tensor) -> None:
+            nonlocal out
+            rows = layer[row, col]
+            if out is None:
+                out = rows.new_empty((len(rows), len(self.feature_ids) * h))
+            out[:, i * h:(i + 1) * h].copy_(rows)
+        self._run(batch.padded(), keep)
+        return out
 
     @torch.no_grad()
     def logits_and_hidden(self, input_ids: torch.Tensor,
@@ -243,12 +262,25 @@ def load_target(cfg, device: str | torch.device = "cpu",
     else:
         try:
             with weight_progress(progress):
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                             **placement(device))
         except (OSError, ValueError) as e:
             raise ValueError(f"target.path: cannot load a causal LM from {path} ({first_line(e)})") from None
         model.to(device)
     return TargetModel(model, configured_layer_ids(cfg, int(model.config.num_hidden_layers)),
                        teacher=cfg.train.loss == "distill")
+
+
+def placement(device: torch.device) -> dict:
+    """``from_pretrained`` arguments that load the weights straight onto ``device``.
+
+    On a GPU that saves a host-RAM copy of the whole model per target process. The
+    index is explicit: transformers reads a bare ``cuda`` as ``LOCAL_RANK``'s GPU, not
+    the current one. A CPU load stays the plain one."""
+    if device.type != "cuda":
+        return {}
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return {"device_map": {"": torch.device("cuda", index)}}
 
 
 def configured_layer_ids(cfg, num_target_layers: int) -> list[int]:

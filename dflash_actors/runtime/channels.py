@@ -2,8 +2,9 @@
 
 The supervisor allocates every ring once, before it spawns anything, and hands the
 tensors to each child in its spawn arguments (torch passes one fd per storage; the
-default ``file_descriptor`` strategy unlinks the segment at creation, so nothing is
-ever named in /dev/shm and the memory goes when the last process holding it exits).
+default ``file_descriptor`` strategy unlinks the segment at creation, so nothing of a
+CPU ring is ever named in /dev/shm and the memory goes when the last process holding it
+exits; a CUDA ring leaves one name while the supervisor lives, below).
 Actors attach; they never allocate or free shared buffers, so killing any actor leaves
 every buffer intact, and a slot's bytes stay valid until the supervisor hands the slot
 to the next writer.
@@ -37,12 +38,20 @@ A slot is freed only after the state that no longer needs it is recorded, and sl
 a dead actor are reclaimed from the ledger (``dispatch``), never from what it said.
 
 Placement: a CPU ring is page-locked (``pin``, ``cudaHostRegister`` on the shared pages)
-by each process that copies it to or from a GPU. A ring may also live on a GPU: the
+by each process whose device is a GPU, the one that copies it to or from there; a CPU
+actor never pins (that would give it a CUDA context). A ring may also live on a GPU: the
 supervisor allocates it and outlives every consumer, which is what torch's CUDA IPC
 requires, and a writer to a CUDA slot synchronizes its stream before it commits, as a
 reader does before it commits (the slot is then reused). (The training job's feature
 ring lives there under ``runtime.feature_transport: cuda``; ``tests/integration/
 test_runtime_gpu.py`` exercises both placements.)
+
+What a CUDA ring leaves in /dev/shm: sharing it makes torch create one *named*
+ref-counter file, ``torch_<supervisor pid>_*``, which the supervisor keeps mapped as
+long as it lives (its consumers, ended by ``os._exit`` or a kill, never release their
+counts) and torch unlinks when the supervisor exits normally; a killed supervisor leaves
+it behind. Nothing else may unlink it while the supervisor lives: torch aborts the
+process when, closing the file at exit, it cannot unlink it.
 """
 
 from __future__ import annotations
@@ -127,11 +136,11 @@ class Ring:
             raise IndexError(f"ring {self.spec.name}: slot {i} of {self.spec.n_slots}")
         return {k: t[i] for k, t in self.tensors.items()}
 
-    def pin(self) -> None:
-        """Page-lock a CPU ring for fast async H2D copies from this process. Registration
-        is per process, so each actor that copies to a GPU calls it after attaching; a
-        no-op without CUDA or for CUDA rings."""
-        if self._pinned or self.spec.device != "cpu":
+    def pin(self, device) -> None:
+        """Page-lock a CPU ring for fast async copies between it and ``device``, the
+        calling actor's. Registration is per process, so each actor calls it after
+        attaching; a no-op unless ``device`` is CUDA, and for CUDA rings."""
+        if self._pinned or self.spec.device != "cpu" or torch.device(device).type != "cuda":
             return
         page_lock(self.tensors.values(), f"ring {self.spec.name}")
         self._pinned = True
@@ -144,7 +153,8 @@ class Ring:
 def page_lock(tensors, what: str) -> None:
     """Page-lock shared CPU tensors for this process (``cudaHostRegister``), so copies
     between them and a GPU run at full PCIe speed instead of through a staging buffer.
-    A no-op without CUDA."""
+    A no-op without CUDA. It creates a CUDA context: callers decide by their device
+    (``Ring.pin``), so a CPU actor on a GPU host gets none."""
     if not torch.cuda.is_available():
         return
     cudart = torch.cuda.cudart()

@@ -56,6 +56,10 @@ server does within milliseconds: it reaps on SIGCHLD)."""
 UNKNOWN_EXIT = 255
 """The exit code of a child whose status the server could not report (the stdlib's)."""
 
+NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+"""Set in the server: ``torch.cuda.is_available()`` then asks NVML instead of initialising
+CUDA, so a preload that calls it cannot make every fork a CUDA-poisoned one."""
+
 
 class ForkServerError(RuntimeError):
     """The fork server served no fork: it is gone, refused, or did not answer in time."""
@@ -242,13 +246,14 @@ class ForkServerStarter:
         whom to die with from the environment, set for this start only; so does the
         server's ``sys.path``: ``PYTHONPATH``, then ours, as spawn gives a child (the
         stdlib's server does not apply the path it is handed before its imports, and a
-        failed preload import is silently skipped)."""
+        failed preload import is silently skipped), and its ``NVML_CUDA_CHECK``."""
         _STARTERS[self._key] = self
         self.preload = tuple(dict.fromkeys([f"{__package__}.forker", *modules]))
         self._supervisor_pid = supervisor_pid
         self.server.set_forkserver_preload(list(self.preload))
-        saved = {k: os.environ.get(k) for k in (SUPERVISOR_PID_ENV, "PYTHONPATH")}
+        saved = {k: os.environ.get(k) for k in (SUPERVISOR_PID_ENV, "PYTHONPATH", NVML_CUDA_CHECK)}
         os.environ[SUPERVISOR_PID_ENV] = str(supervisor_pid)
+        os.environ[NVML_CUDA_CHECK] = "1"
         os.environ["PYTHONPATH"] = os.pathsep.join([*filter(None, [saved["PYTHONPATH"]]), *filter(None, sys.path)])
         try:
             self.server.ensure_running()

@@ -76,7 +76,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from . import forking
-from .actor import Actor, ActorContext, Heartbeats
+from .actor import Actor, ActorContext, Heartbeats, gpu_memory
 from .boot import Deferred, boot
 from .channels import Ring, RingSpec
 from .config import ConfigError, RuntimeConfig
@@ -227,12 +227,14 @@ def strike_self(faults, where: str, progress: int, run_dir: Path, log: Callable[
 
 
 class Supervisor:
-    def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec],
+    def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec | Ring],
                  n_batches: int, *, meta_cols: int = 0, first_batch: int = 0, num_threads: int = 1,
                  on_status: Optional[Callable[[dict], None]] = None,
                  forkserver: Optional[forking.ForkServerStarter] = None,
                  supervisor_points: tuple[str, ...] = SUPERVISOR_POINTS):
         """Allocates every shared buffer (rings, ledger, heartbeats); spawns nothing yet.
+        ``rings``: specs, allocated here, or rings the caller allocated and hands to
+        several runs (the training job's attempts: a rollback keeps its CUDA ring).
         Batch ids are ``0 .. n_batches-1``; those below ``first_batch`` count as committed
         (a resumed run). ``meta_cols``: ints per ledger row for the first stage to fill.
         ``on_status(status)`` runs before each status.json write and may add keys (the
@@ -243,7 +245,7 @@ class Supervisor:
         the supervisor, its own and its caller's (``SUPERVISOR_POINTS``)."""
         self.cfg = runtime
         self.run_dir = Path(runtime.run_dir)
-        self.rings = {spec.name: Ring.allocate(spec) for spec in rings}
+        self.rings = {r.spec.name: r for r in (x if isinstance(x, Ring) else Ring.allocate(x) for x in rings)}
         self.ledger = Ledger.allocate(n_batches, meta_cols, initial=stages[0].from_state,
                                       done=stages[-1].to_state, done_below=first_batch)
         self.num_threads = num_threads
@@ -264,7 +266,7 @@ class Supervisor:
         check_faults(runtime.faults, {c.actor_id: c.stage.actor for c in self.children}, supervisor_points)
         # Which injected faults have fired: shared, so that a replacement does not fire again.
         self.fired = torch.zeros(max(1, len(runtime.faults)), dtype=torch.int8).share_memory_()
-        self.dispatcher = Dispatcher(stages, rings, self.ledger,
+        self.dispatcher = Dispatcher(stages, [r.spec for r in self.rings.values()], self.ledger,
                                      {c.number: (stages.index(c.stage), c.index) for c in self.children})
         self.state = JobState.RUNNING
         self.reason: Optional[str] = None     # why it stops, once it does
@@ -867,7 +869,7 @@ class Supervisor:
                 "holds": self.dispatcher.held(c.number),
                 "busy_s": round(self.heartbeats.busy(c.number, now), 3),
                 "busy_pct_30s": self._busy_pct(c, now),
-                "rss_mb": rss, "cpu_pct": cpu, "gpu_mem_mb": round(hb["gpu_mb"], 1) if hb["gpu_mb"] else None,
+                "rss_mb": rss, "cpu_pct": cpu, **_gpu_fields(hb),
                 "phase": _phase(c.starting, now) if alive else None,
                 "ready_at": c.ready_at if alive and c.ready else None,
                 **({"ranks": [c.proc.pid if alive else None] +
@@ -880,7 +882,8 @@ class Supervisor:
                 "supervisor_pid": os.getpid(), "start_method": self.start_method,
                 "forkserver_pid": self._server.pid if self._server is not None else None,
                 "forkserver_restarts": self.forkserver_restarts,
-                "supervisor_started": self._ps.create_time(), "supervisor": {"rss_mb": rss, "cpu_pct": cpu},
+                "supervisor_started": self._ps.create_time(),
+                "supervisor": {"rss_mb": rss, "cpu_pct": cpu, **_gpu_fields(gpu_memory())},
                 "stuck_after_s": self.cfg.stuck_s, "hang_timeout_s": self.cfg.hang_timeout_s,
                 "actors": actors, "rings": self.dispatcher.occupancy(),
                 "batches": {**self._counts(), "committed_this_run": len(self.dispatcher.committed),
@@ -931,6 +934,14 @@ class Supervisor:
         # Steady training logs no decision for minutes: look at events.log as often as at
         # status.json, so that a broken one stops the job now, not at the next decision.
         self._events.probe()
+
+
+def _gpu_fields(mb: dict) -> dict:
+    """status.json's GPU memory of a process (``actor.gpu_memory``'s MiB, rounded; null
+    where it has used no CUDA)."""
+    return {key: round(mb[col], 1) if mb[col] else None
+            for key, col in (("gpu_mem_mb", "gpu_mb"), ("gpu_peak_mb", "gpu_peak_mb"),
+                             ("gpu_reserved_peak_mb", "gpu_reserved_peak_mb"))}
 
 
 def _usage(ps: Optional[psutil.Process]) -> tuple[Optional[float], Optional[float]]:

@@ -5,7 +5,8 @@ checks the math itself against an update worked out by hand.
 
 One step, from M drafter sums of A batches each::
 
-    g = clone(g_0) + g_1 + ... + g_{M-1}     (drafter order: fixed, so bit-reproducible)
+    g = copy(g_0) + g_1 + ... + g_{M-1}      (drafter order: fixed, so bit-reproducible;
+                                              one shard on the device at a time)
     g /= A*M;  clip ||g|| to grad_clip;  AdamW step;  LR scheduler step
 
 The LR follows linear warmup over ``ceil(warmup_ratio * total)`` steps, then a cosine
@@ -22,6 +23,7 @@ update, which a NaN would otherwise spread into every weight.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -51,15 +53,18 @@ def build_scheduler(opt, train, total_steps: int) -> torch.optim.lr_scheduler.La
         opt, lambda s: lr_factor(s, total_steps, train.warmup_ratio, train.lr_schedule, train.decay_ratio))
 
 
-def reduce_and_step(params: list[torch.Tensor], shard_grads: list[list[torch.Tensor]], opt, sched,
+def reduce_and_step(params: list[torch.Tensor], shard_grads: Iterable[Sequence[torch.Tensor]], opt, sched,
                     batches: int, grad_clip: float, loss: float = 0.0) -> float:
-    """Sum shard gradients in shard order, average over ``batches``, clip, step;
-    returns the pre-clip gradient norm. A non-finite norm or ``loss`` skips the update
+    """Sum shard gradients in shard order onto the parameters' devices, average over
+    ``batches``, clip, step; returns the pre-clip gradient norm. The shards (on any
+    device, never modified) are read one at a time: from a generator, the device holds
+    the sum and at most one shard. A non-finite norm or ``loss`` skips the update
     (``skip_step``); the returned norm then says why (``math.isfinite``)."""
-    grads = [g.clone() for g in shard_grads[0]]
-    for shard in shard_grads[1:]:
+    shards = iter(shard_grads)
+    grads = [g.to(p.device, copy=True) for p, g in zip(params, next(shards))]
+    for shard in shards:
         for g, s in zip(grads, shard):
-            g.add_(s)
+            g.add_(s.to(g.device))
     for p, g in zip(params, grads):
         p.grad = g.div_(batches)
     norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))

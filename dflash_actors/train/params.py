@@ -105,6 +105,13 @@ class WeightStore:
     def __setstate__(self, state):
         self.__init__(*state)
 
+    def pin(self, device, moments: bool) -> None:
+        """Page-lock the weights, and with ``moments`` the AdamW moments (the optimizer
+        writes them every step; drafters only read weights), in this process, so the
+        per-step publish and load copy at full PCIe speed; a no-op unless ``device`` is CUDA."""
+        if torch.device(device).type == "cuda":
+            page_lock([self.weights, *((self.exp_avg, self.exp_avg_sq) if moments else ())], "weights")
+
     @property
     def version(self) -> int:
         return int(self.version_t[0])
@@ -184,10 +191,11 @@ class GradAccumulators:
     def __setstate__(self, state):
         self.__init__(*state)
 
-    def pin(self) -> None:
-        """Page-lock the sums in this process (a drafter or optimizer on a GPU), so that
-        loading and committing them run at full PCIe speed."""
-        page_lock([self.grads], "gradient sums")
+    def pin(self, device) -> None:
+        """Page-lock the sums in this process, so that loading and committing them run
+        at full PCIe speed; a no-op unless ``device`` (the drafter's or optimizer's) is CUDA."""
+        if torch.device(device).type == "cuda":
+            page_lock([self.grads], "gradient sums")
 
     def last_batch(self, j: int) -> int:
         """The last batch drafter j's active buffer includes (-1: none)."""

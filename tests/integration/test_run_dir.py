@@ -3,6 +3,7 @@ anything is written, and resumes that build on the run's own config.yaml and pas
 damaged checkpoints."""
 
 import contextlib
+import dataclasses
 import errno
 import io
 import json
@@ -15,6 +16,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 import launch
 from dflash_actors.actors.optimizer import RollbackRequired
@@ -23,6 +25,7 @@ from dflash_actors.job import job as pipeline
 from dflash_actors.job.reference import train_reference
 from dflash_actors.job.rundir import LOCK_FILE, RunDirLock
 from dflash_actors.models.drafter import WEIGHTS
+from dflash_actors.runtime.channels import Ring
 from dflash_actors.runtime.supervisor import JobResult, JobState
 from dflash_actors.train.checkpoint import (
     MANIFEST,
@@ -245,6 +248,41 @@ def test_a_rollback_passes_over_a_damaged_checkpoint(killed_run, cache_dir, tmp_
     err = capsys.readouterr().err.splitlines()
     assert f"skipping checkpoint {newest.name}: {WEIGHTS} does not match its checksum; " \
            f"resuming from {previous.name}" in err, err
+
+
+def test_a_rollback_runs_on_the_first_attempts_rings(cache_dir, tmp_path, monkeypatch):
+    """A dropped CUDA ring is not freed (its consumers never release their IPC counts):
+    the attempt after a rollback must get the same rings, the GPU one included, not new
+    ones. Stood in for: the feature ring's CUDA memory (host memory under a cuda spec)
+    and the supervisor (no actors)."""
+    job = pipeline.Job(small_config(cache_dir, tmp_path / "run", "1-1", *FAST), progress=False)
+    job.pre = dataclasses.replace(job.pre, devices=dataclasses.replace(job.pre.devices, features="cuda:0"))
+    allocated, given = [], []
+    on_host = Ring.allocate
+
+    def allocate(spec):
+        ring = Ring(spec, on_host(dataclasses.replace(spec, device="cpu")).tensors)
+        allocated.append(ring)
+        return ring
+    monkeypatch.setattr(Ring, "allocate", allocate)
+    results = [JobResult(JobState.FAILED, "stopped", raised=RollbackRequired("optimizer state inconsistent")),
+               JobResult(JobState.DONE, "finished")]
+
+    class Supervisor:
+        def __init__(self, runtime, stages, rings, n_batches, **kw):
+            given.append(list(rings))
+            self.work_times = torch.zeros(n_batches, len(stages), dtype=torch.float64)
+
+        def request_failure(self, reason):
+            pass
+
+        def run(self):
+            return results.pop(0)
+    monkeypatch.setattr(pipeline, "Supervisor", Supervisor)
+    assert job.run().exit_code == 0
+    assert [r.spec.device for r in allocated] == ["cpu", "cuda:0"]
+    assert len(given) == 2 and all(a is b for a, b in zip(given[1], given[0], strict=True))
+    assert all(a is b for a, b in zip(given[0], allocated, strict=True))
 
 
 def test_a_checkpoint_from_before_manifests_is_resumed_with_a_warning(killed_run, cache_dir, tmp_path, capsys):

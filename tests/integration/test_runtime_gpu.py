@@ -18,7 +18,7 @@ def _write_slot(ring, conn):
 
 
 def _pinned_copy(ring, conn):
-    ring.pin()
+    ring.pin("cuda:0")
     dst = ring.tensors["hidden"][0].to("cuda:0", non_blocking=True)
     torch.cuda.synchronize()
     conn.send(float(dst.sum()))
@@ -50,7 +50,7 @@ def test_pinned_cpu_ring_copies_to_gpu():
 
 
 def _pinned_sums(grads, conn):
-    grads.pin()
+    grads.pin("cuda:0")
     conn.send(float(grads.active_flat(0).to("cuda:0", non_blocking=True).sum()))
 
 

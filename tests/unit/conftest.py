@@ -16,3 +16,23 @@ def tiny(tmp_path_factory):
     cfg = load_config(ROOT / "configs" / "default.yaml",
                       [f"data.cache_dir={tmp_path_factory.getbasetemp() / 'models'}", "target.tiny.pretrain_steps=20"])
     return cfg, load_target(cfg)
+
+
+@pytest.fixture
+def host_registers(monkeypatch) -> list:
+    """A GPU host as far as ``channels.page_lock`` can tell: ``"cudart"`` when it reaches
+    CUDA (what would create a context), then each ``(address, bytes)`` it registers."""
+    calls = []
+
+    class CudaRt:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append((ptr, size))
+            return 0
+
+    def cudart():
+        calls.append("cudart")
+        return CudaRt()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", cudart)
+    return calls

@@ -1,8 +1,10 @@
 """Several machines, without the machines: the node spec from flags and from torchrun's
 and SLURM's environment, and the Link of K nodes as K threads over loopback gloo (the
 exchange's sum against one machine's order, bit for bit; the replica check; a lost
-node; nodes launched with different jobs)."""
+node; nodes launched with different jobs); and, the NCCL group stood in for, how an
+NCCL chain meets a lost node."""
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -297,3 +299,66 @@ def test_node_0_keeps_its_store_until_every_node_has_read_the_ends():
     ns, errors = run_nodes(2, 1, 1, body)
     assert not errors, errors
     assert [n.result["replicas"] for n in ns] == ["identical at version 4 on all 2 nodes"] * 2
+
+
+# -- the NCCL chain's failure path (no GPU: the group is stood in for) ---------
+
+
+class FakeNCCL:
+    """Records the error handling NCCL would read when the group is made."""
+
+    made: list = []
+    Options = SimpleNamespace
+
+    def __init__(self, store, rank, size, opts):
+        FakeNCCL.made.append({k: os.environ.get(k) for k in link.NCCL_ERROR_HANDLING})
+
+
+@pytest.mark.parametrize("user", [None, ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"), ("NCCL_ASYNC_ERROR_HANDLING", "1")])
+def test_the_nccl_group_aborts_its_communicator_rather_than_the_supervisor(monkeypatch, user):
+    """NCCL's default (3) would kill the supervisor on a collective that a lost node
+    leaves hanging; the group is made with 2 (abort the communicator only), for its own
+    construction, unless the user chose (either name)."""
+    for k in link.NCCL_ERROR_HANDLING:
+        monkeypatch.delenv(k, raising=False)
+    if user:
+        monkeypatch.setenv(*user)
+    monkeypatch.setattr(link.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(link.torch.cuda, "set_device", lambda device: None)
+    FakeNCCL.made = []
+    before = dict(os.environ)
+    node = Link(NodeSpec(1, 0, "127.0.0.1", free_port()), RUNTIME, bulk_device="cuda:0")
+    try:
+        node.join({}, lambda a, b: [])
+    finally:
+        node.close()
+    chosen = dict([user]) if user else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert FakeNCCL.made == [{k: chosen.get(k) for k in link.NCCL_ERROR_HANDLING}]
+    assert dict(os.environ) == before      # actors spawned later keep NCCL's default
+
+
+def test_gloo_chains_make_no_nccl_group(monkeypatch):
+    monkeypatch.setattr(link.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    FakeNCCL.made = []
+    node = Link(NodeSpec(1, 0, "127.0.0.1", free_port()), RUNTIME)
+    try:
+        node.join({}, lambda a, b: [])
+        assert node.bulk is node.ctl
+    finally:
+        node.close()
+    assert FakeNCCL.made == []
+
+
+@pytest.mark.parametrize("failure", [None, "lost node 1: no heartbeat from its supervisor for 3 s"])
+def test_after_a_lost_node_the_nccl_group_is_aborted_before_the_link_thread_is_joined(failure):
+    """A chain cut by a lost node never completes on NCCL: the link thread waits in it
+    until the group is aborted, so ``stop`` aborts first (and only after a failure)."""
+    node = Link(NodeSpec(2, 0, "127.0.0.1", free_port()), RUNTIME, bulk_device="cuda:0")
+    aborted = threading.Event()
+    node.ctl, node.bulk = object(), SimpleNamespace(abort=aborted.set)
+    freed = []
+    node._server = threading.Thread(target=lambda: freed.append(aborted.wait(0.5 if failure is None else 30)))
+    node._server.start()
+    node.failure = failure
+    node.stop()
+    assert freed == [failure is not None] and aborted.is_set() == (failure is not None)

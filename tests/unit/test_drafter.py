@@ -7,7 +7,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash_actors.config import load_config
-from dflash_actors.models.drafter import DFlashDrafter, build_drafter, choose_mask_token, sdpa_dense
+from dflash_actors.models.drafter import DFlashDrafter, build_drafter, choose_mask_token, drafter_shell, sdpa_dense
+from dflash_actors.train.params import ParamLayout, WeightStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,6 +86,49 @@ def test_init_from_a_saved_drafter(setup, tmp_path):
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in d.state_dict().items())
     with pytest.raises(ValueError, match="drafter.init_from"):
         build_drafter(load_config(ROOT / "configs" / "default.yaml", base + ["drafter.block_size=16"]), target)
+
+
+def test_a_shell_loaded_from_the_store_is_the_drafter_without_drawing_weights(setup, monkeypatch):
+    """What the drafter and optimizer actors build: no seeded draw (not even torch's
+    default init, which would move the global generator), then the store's weights
+    make it the supervisor's drafter in every parameter, buffer and output bit."""
+    cfg, target, d = setup
+
+    def draw(*args, **kwargs):
+        raise AssertionError("a shell draws no weights")
+    monkeypatch.setattr(torch, "randn", draw)
+    monkeypatch.setattr(DFlashDrafter, "init_weights", draw)
+    rng = torch.get_rng_state()
+    shell = drafter_shell(cfg, target)
+    assert torch.equal(torch.get_rng_state(), rng)
+    monkeypatch.undo()
+    layout = ParamLayout.of(d)
+    store = WeightStore.allocate(layout)
+    store.publish(1, list(d.parameters()), None, None)
+    assert ParamLayout.of(shell) == layout
+    store.load_params(list(shell.parameters()), 1)
+    for got, want in ((shell.named_parameters(), d.named_parameters()), (shell.named_buffers(), d.named_buffers())):
+        got, want = dict(got), dict(want)
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert (got[k].dtype, got[k].device, got[k].requires_grad) == (v.dtype, v.device, v.requires_grad), k
+            assert torch.equal(got[k], v), k
+    assert {k for k, _ in d.named_buffers()} >= {"rotary_emb.inv_freq"}
+    with torch.no_grad():
+        assert torch.equal(run(shell), run(d))
+
+
+def test_a_shell_checks_init_from_and_takes_its_shape(setup, tmp_path):
+    cfg, target, _ = setup
+    deeper = build_drafter(cfg.updated({"drafter.num_layers": 2}), target)
+    deeper.save_pretrained(tmp_path / "dr")
+    run_cfg = cfg.updated({"drafter.init_from": str(tmp_path / "dr")})
+    shell = drafter_shell(run_cfg, target)
+    assert len(shell.layers) == 2 and ParamLayout.of(shell) == ParamLayout.of(build_drafter(run_cfg, target))
+    with pytest.raises(ValueError, match=r"drafter.init_from: .* has \(layer ids, block, mask id, hidden\)"):
+        drafter_shell(run_cfg.updated({"drafter.block_size": 16}), target)
+    with pytest.raises(ValueError, match="drafter.init_from: .* does not exist"):
+        drafter_shell(cfg.updated({"drafter.init_from": str(tmp_path / "nope")}), target)
 
 
 def test_load_rejects_a_foreign_directory(setup, tmp_path):

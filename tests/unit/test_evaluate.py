@@ -364,3 +364,29 @@ def test_evaluator_real_tau_is_what_decoding_gives(setup, fitted):
     want = real_tau(fitted, target, [ids[:first] for ids, first, _ in heldout.items[:4]], 16, check_lossless="none")
     assert got == {k: want[k] for k in got} and got["tau"] > 1.5
     assert "real" not in evaluate_version(fitted, target, HeldOut(cfg, target, 8, 0, 16))
+
+
+def test_evaluator_releases_the_target_and_keeps_its_metrics(setup, fitted, monkeypatch):
+    """After ``prepare`` the evaluator holds only the target's head: the model it loaded
+    (every decoder layer with it) is freed, and a version's metrics equal those computed
+    with the whole target."""
+    import weakref
+
+    from dflash_actors.eval import evaluator
+    cfg, target, _ = setup
+    cfg = cfg.updated({"eval.max_samples": 8, "eval.real_prompts": 4, "eval.max_new_tokens": 16})
+    loaded, load = [], evaluator.load_target
+
+    def load_target(*args, **kwargs):
+        t = load(*args, **kwargs)
+        loaded.extend(weakref.ref(m) for m in [t.model, *t.model.get_decoder().layers])
+        return t
+
+    monkeypatch.setattr(evaluator, "load_target", load_target)
+    drafter, head, heldout = evaluator.prepare(cfg)
+    assert len(loaded) > 1 and all(ref() is None for ref in loaded)
+    assert {n for n, v in vars(head).items() if isinstance(v, torch.nn.Module)} == {"embed_tokens", "lm_head"}
+    drafter.load_state_dict(fitted.state_dict())
+    got = evaluator.evaluate_version(drafter, head, heldout)
+    want = evaluator.evaluate_version(fitted, target, evaluator.HeldOut(cfg, target, 8, 4, 16))
+    assert got == want and got["real"]["tau"] > 1.5

@@ -15,7 +15,12 @@ def _exit_with_parent_pid_mod_256():
     os._exit(os.getppid() % 256)
 
 
-def test_children_fork_from_the_private_server_and_stop_takes_it_away():
+def _exit_0_if_cuda_checks_use_nvml():
+    os._exit(0 if os.environ.get(forking.NVML_CUDA_CHECK) == "1" else 1)
+
+
+def test_children_fork_from_the_private_server_and_stop_takes_it_away(monkeypatch):
+    monkeypatch.delenv(forking.NVML_CUDA_CHECK, raising=False)
     starter = forking.ForkServerStarter()
     env = dict(os.environ)
     pid = starter.start(["dflash_actors.runtime.forker", "json"], os.getpid())
@@ -26,6 +31,12 @@ def test_children_fork_from_the_private_server_and_stop_takes_it_away():
         proc.start()
         proc.join(30)
         assert proc.exitcode == pid % 256           # its parent was the server, not us
+        # The server's environment, its children's: a preload calling
+        # torch.cuda.is_available() there asks NVML and cannot poison the forks.
+        proc = starter.Process(target=_exit_0_if_cuda_checks_use_nvml)
+        proc.start()
+        proc.join(30)
+        assert proc.exitcode == 0
     finally:
         starter.stop()
     assert starter.pid is None and not psutil.pid_exists(pid)

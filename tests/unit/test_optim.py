@@ -2,6 +2,7 @@
 with decoupled weight decay, the warmup+cosine LR, and resuming from stored moments."""
 
 import math
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -122,6 +123,37 @@ def test_clipping_changes_the_update_when_gradients_are_small():
     _, _, clipped = _expected(1e-7, 2e-8, 0.1, 0.01)
     _, _, free = _expected(1e-7, 1e-3, 0.1, 0.01)
     assert (clipped - free).abs().max() > 1e-3
+
+
+def test_shards_are_read_one_at_a_time_and_summed_in_order():
+    """The optimizer hands its drafters' sums as a generator that reads each only when
+    asked: the step holds the sum and one shard, never all of them (shard j-2 is gone
+    by the time shard j is read), and the result is the listed shards' bit for bit."""
+    g3 = [1e-8, 3.0, -7e7]      # magnitudes where the order of additions shows
+    values = [G1, G2, g3, [-v for v in G1]]
+    held = []
+
+    def stream():
+        for j, v in enumerate(values):
+            assert j < 2 or held[j - 2]() is None, f"shard {j - 2} is still held when shard {j} is read"
+            t = torch.tensor(v, dtype=torch.float32)
+            held.append(weakref.ref(t))
+            yield [t]
+
+    def step(shards):
+        train = _train()
+        p = _param()
+        opt = build_optimizer([p], train)
+        norm = reduce_and_step([p], shards, opt, build_scheduler(opt, train, total_steps=10), batches=4,
+                               grad_clip=1e9)
+        return norm, p.grad, p.detach()
+
+    got = step(stream())
+    want = step([[torch.tensor(v, dtype=torch.float32)] for v in values])
+    assert len(held) == len(values)
+    assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    by_hand = torch.tensor(G1) + torch.tensor(G2) + torch.tensor(g3) + torch.tensor([-v for v in G1])
+    assert torch.equal(want[1], by_hand / 4)
 
 
 def test_shards_are_not_modified():

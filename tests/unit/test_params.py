@@ -294,3 +294,21 @@ def test_the_header_counts_the_batches_of_a_sum():
     big = (1 << 40) + 3          # batch ids far beyond any run keep their bits
     acc.commit(1, big, g)
     assert (acc.last_batch(1), acc.count(1)) == (big, 1)
+
+
+def test_shared_state_is_pinned_only_for_a_cuda_actor(host_registers):
+    """A drafter or optimizer on a CPU device (on a GPU host) pins nothing and so gets no
+    CUDA context; on a GPU the optimizer pins weights and moments, a drafter the weights."""
+    layout = _layout()
+    store, acc = WeightStore.allocate(layout), GradAccumulators.allocate(layout, 2)
+    for device in ("cpu", torch.device("cpu")):
+        acc.pin(device)
+        store.pin(device, moments=True)
+    assert host_registers == []
+    store.pin("cuda:1", moments=False)
+    assert host_registers == ["cudart", (store.weights.data_ptr(), 2 * layout.numel * 4)]
+    host_registers.clear()
+    store.pin(torch.device("cuda", 0), moments=True)
+    acc.pin("cuda:0")
+    assert [c for c in host_registers if c != "cudart"] == [
+        (t.data_ptr(), t.numel() * 4) for t in (store.weights, store.exp_avg, store.exp_avg_sq, acc.grads)]

@@ -13,6 +13,7 @@ from dflash_actors.models.target import (
     build_target_layer_ids,
     ensure_target,
     load_target,
+    placement,
     self_check,
 )
 
@@ -79,6 +80,42 @@ def test_packed_features_match_one_at_a_time_and_do_not_leak(cfg):
     assert not torch.equal(t.features(packed(other))[13:], both[13:])
 
 
+@pytest.mark.parametrize("layer_ids, teacher", [([0, 2], False), ([0, 3], True)])
+def test_features_into_a_slot_are_the_gathered_concatenation_bit_for_bit(cfg, layer_ids, teacher):
+    """Rows written layer by layer into ``out`` equal concatenating the padded layers
+    and gathering the packed rows (what ``features`` did); a teacher's last layer comes
+    twice here ([0, 3] + [3]), and two of the three sequences are padded."""
+    t = load_target(cfg)
+    target = TargetModel(t.model, layer_ids, teacher=teacher)
+    g = torch.Generator().manual_seed(1)
+    batch = packed([torch.randint(2, 250, (n,), generator=g).tolist() for n in (13, 5, 21)])
+    row, col = batch.pad_index()
+    want = target.hidden(batch.padded())[row, col]
+    assert want.shape == (39, t.hidden_size * len(target.feature_ids))
+    assert torch.equal(target.features(batch), want)
+    slot = torch.full((50, want.shape[1]), float("nan"))
+    assert target.features(batch, out=slot[:39]).data_ptr() == slot.data_ptr()
+    assert torch.equal(slot[:39], want) and slot[39:].isnan().all()
+    ring = torch.zeros(39, want.shape[1], dtype=torch.bfloat16)     # the slot's dtype, as out.copy_ made it
+    target.features(batch, out=ring)
+    assert torch.equal(ring, want.to(torch.bfloat16))
+
+
+def test_each_layer_is_in_the_slot_before_the_next_one_runs(cfg):
+    t = load_target(cfg)
+    target = TargetModel(t.model, [0, 2])
+    batch = packed([[5, 9, 4, 11], [7, 3]])
+    h = t.hidden_size
+    out = torch.zeros(6, 2 * h)
+    seen = []
+    hook = t.model.model.layers[1].register_forward_pre_hook(lambda *a: seen.append(out.clone()))
+    try:
+        target.features(batch, out=out)
+    finally:
+        hook.remove()
+    assert torch.equal(seen[0][:, :h], out[:, :h]) and not seen[0][:, h:].any()
+
+
 def test_tiny_target_is_cached(cfg):
     p = ensure_target(cfg)
     assert (p / "config.json").is_file() and (p / "model.safetensors").is_file()
@@ -96,6 +133,38 @@ def test_loading_reports_tensor_counts_and_leaves_transformers_as_it_was(cfg):
     assert seen and seen[-1][0] == seen[-1][1] and 0 < seen[-1][1] <= n
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     assert loading.tqdm is before
+
+
+def test_a_gpu_target_loads_straight_onto_its_gpu(cfg, monkeypatch):
+    """No host copy of the whole model first: from_pretrained gets the GPU (by index:
+    transformers would read a bare "cuda" as LOCAL_RANK's), a CPU load no device_map."""
+    from transformers import AutoModelForCausalLM
+
+    import dflash_actors.models.target as target_module
+
+    class Loaded(Exception):
+        pass
+    seen = []
+
+    def from_pretrained(path, **kwargs):
+        seen.append(kwargs.get("device_map"))
+        raise Loaded
+    monkeypatch.setattr(target_module.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    for device in ("cuda:1", "cuda"):
+        with pytest.raises(Loaded):
+            load_target(cfg, device)
+    monkeypatch.undo()
+    assert seen == [{"": torch.device("cuda", 1)}, {"": torch.device("cuda", 2)}]
+    assert placement(torch.device("cpu")) == {}
+    # transformers loads the same model through that device_map (shown on the CPU).
+    path = ensure_target(cfg)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    mapped = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
+                                                  device_map={"": torch.device("cpu")})
+    want = dict(plain.named_buffers(), **plain.state_dict())
+    got = dict(mapped.named_buffers(), **mapped.state_dict())
+    assert want.keys() == got.keys() and all(torch.equal(got[k], v) for k, v in want.items())
 
 
 def test_missing_target_path_is_a_clear_error(cfg, tmp_path):
@@ -120,11 +189,11 @@ def test_smollm2_from_its_package_offline():
 class _ShiftedTarget(TargetModel):
     """A wrapper with the classic bug: it captures each configured layer's successor."""
 
-    def hidden(self, input_ids):
+    def features(self, batch, out=None):
         ids = self.feature_ids
         self.feature_ids = [min(L + 1, self.num_layers - 1) for L in ids]
         try:
-            return super().hidden(input_ids)
+            return super().features(batch, out)
         finally:
             self.feature_ids = ids
 
@@ -133,10 +202,10 @@ class _ScaledTeacher(TargetModel):
     """A distilling wrapper whose last (teacher) layer is off by a factor, as a missing
     or doubled final norm would leave it."""
 
-    def hidden(self, input_ids):
-        out = super().hidden(input_ids)
-        h = self.hidden_size
-        return torch.cat([out[..., :-h], 2.0 * out[..., -h:]], dim=-1)
+    def features(self, batch, out=None):
+        out = super().features(batch, out)
+        out[:, -self.hidden_size:] *= 2.0
+        return out
 
 
 class _UnpackedTarget(TargetModel):

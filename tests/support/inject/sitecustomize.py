@@ -7,7 +7,7 @@ this file at start-up and patches the named module right after it is first impor
 * ``DFLASH_TEST_CHECKPOINT_PAUSE_S``: ``dflash_actors.train.checkpoint.save_checkpoint``
   stalls that many seconds after the drafter files are written and before the
   checkpoint is complete, so a kill can land mid-write.
-* ``DFLASH_TEST_SHIFT_LAYERS``: ``TargetModel.hidden`` captures each configured layer's
+* ``DFLASH_TEST_SHIFT_LAYERS``: ``TargetModel._run`` captures each configured layer's
   successor, a wrong layer mapping that only the target's self-check can see.
 """
 
@@ -33,16 +33,16 @@ def _slow_down(module) -> None:
 
 
 def _shift_layers(module) -> None:
-    hidden = module.TargetModel.hidden
+    run = module.TargetModel._run
 
-    def shifted(self, input_ids):
+    def shifted(self, input_ids, keep):
         ids = self.feature_ids
         self.feature_ids = [min(L + 1, self.num_layers - 1) for L in ids]
         try:
-            return hidden(self, input_ids)
+            return run(self, input_ids, keep)
         finally:
             self.feature_ids = ids
-    module.TargetModel.hidden = shifted
+    module.TargetModel._run = shifted
 
 
 PATCHES = {}
