@@ -48,7 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="continue RUN_DIR from its newest checkpoint that verifies, on its saved config.yaml\n"
                          "(a --config given now replaces it; --topology and --set given now apply on top)")
     ap.add_argument("--plan-only", action="store_true",
-                    help="validate config, data and target, print the first epoch's plan, and exit")
+                    help="validate config, data and target, print the first epoch's plan and every device's\n"
+                         "memory plan, and exit (2 when a device does not fit)")
+    ap.add_argument("--json", action="store_true", help="with --plan-only: one JSON line instead of the table")
+    ap.add_argument("--gpu-memory", type=float, metavar="GIB",
+                    help="with --plan-only: plan for GPUs of GIB GiB each (the topology's cuda:N), on a machine\n"
+                         "that need not have them; nothing is started")
     ap.add_argument("--devices", type=int, metavar="K",
                     help="with --topology auto: devices to split (default: the GPUs here, or 2 without any)")
     ap.add_argument("--chaos", type=int, metavar="SEED",
@@ -99,10 +104,12 @@ def settle(args: argparse.Namespace, early=None):
     # transformers would only interleave with it.
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    from dflash_actors.job.preflight import check_data, preflight
+    from dflash_actors.job.preflight import check_data, preflight, resolved
     devices = auto_devices(args.devices) if args.topology == "auto" else None     # before the data: it fails fast
     console.setup(cfg.monitor.console, cfg.monitor.log_every_s)
-    data = check_data(cfg)
+    data = check_data(cfg, elsewhere=args.gpu_memory is not None, plan_only=args.plan_only)
+    if data.dataset is None and devices is not None:
+        raise ValueError(f"--topology auto: measures the stages on the data, and {cfg.data.path} does not exist")
     derived = {}
     if devices is not None:
         derived |= auto_topology(cfg, data, devices)
@@ -110,8 +117,11 @@ def settle(args: argparse.Namespace, early=None):
         derived |= keep_batches_per_step(cfg, run_dir, derived.get("topology.num_drafters"))
     if derived:
         cfg = cfg.updated(derived)
-    pre = preflight(cfg, node.rank, data=data)
+    pre = preflight(cfg, node.rank, data=data, gpu_memory=args.gpu_memory, plan_only=args.plan_only)
+    cfg = resolved(cfg, pre)
     if args.chaos is not None:
+        if pre.schedule is None:
+            raise ValueError(f"--chaos: plans faults over the run's batches, and {cfg.data.path} does not exist")
         cfg = cfg.updated({"runtime.faults": chaos(cfg, args, pre.schedule.total_batches)})
     return node, resume, cfg, pre
 
@@ -125,6 +135,14 @@ def config_of(args: argparse.Namespace, sets: list, node, run_dir: Optional[str]
         raise ValueError("topology.nodes: set by --nnodes or the torchrun/SLURM environment, not --set")
     if args.devices is not None and args.topology != "auto":
         raise ValueError("--devices: only with --topology auto")
+    if args.gpu_memory is not None and not args.plan_only:
+        raise ValueError("--gpu-memory: only with --plan-only (a run plans for the GPUs it has)")
+    if args.gpu_memory is not None and not args.gpu_memory > 0:
+        raise ValueError(f"--gpu-memory: must be > 0 GiB (got {args.gpu_memory})")
+    if args.gpu_memory is not None and args.topology == "auto":
+        raise ValueError("--gpu-memory: not with --topology auto, which measures the devices it runs on")
+    if args.json and not args.plan_only:
+        raise ValueError("--json: only with --plan-only")
     path = resume_config(run_dir, args.config) if resume else args.config
     where = [("runtime.run_dir", run_dir)] if run_dir is not None else []
     cfg = load_config(path or DEFAULT_CONFIG, [*sets, *where, ("topology.nodes", node.nodes)],
@@ -178,14 +196,39 @@ def chaos(cfg: Config, args: argparse.Namespace, total_batches: int) -> list[dic
     return faults
 
 
-def plan_line(cfg: Config, pre) -> str:
-    """What ``--plan-only`` prints: the data, the placement (``targets``: one device per
-    rank, ``target_tp`` ranks per target) and the first epoch's plan."""
+def plan_summary(cfg: Config, pre) -> dict:
+    """What ``--plan-only`` shows: the data, the placement (``targets``: one device per
+    rank, ``target_tp`` ranks per target), the first epoch's plan and the memory plan.
+    Without data yet (``check_data``) its keys are null."""
     ds = pre.dataset
-    return json.dumps({"dataset": str(pre.train_path), "samples": len(ds), "tokens": ds.num_tokens,
-                       "truncated": ds.n_truncated, "dropped": ds.n_dropped, "targets": pre.devices.targets,
-                       "target_tp": cfg.topology.target_tp, "drafters": pre.devices.drafters,
-                       "epoch0": pre.plan0.stats(ds.lengths, cfg.batching.token_budget)})
+    data = {"samples": None, "tokens": None, "truncated": None, "dropped": None, "epoch0": None} if ds is None else \
+        {"samples": len(ds), "tokens": ds.num_tokens, "truncated": ds.n_truncated, "dropped": ds.n_dropped,
+         "epoch0": pre.plan0.stats(ds.lengths, cfg.batching.token_budget)}
+    return {"dataset": str(pre.train_path), **data, "targets": pre.devices.targets,
+            "target_tp": cfg.topology.target_tp, "drafters": pre.devices.drafters, **pre.plan.as_json()}
+
+
+def show_plan(cfg: Config, pre, as_json: bool) -> int:
+    """Print ``--plan-only``'s answer; 2 (with the plan's one line) when a device does not fit."""
+    summary = plan_summary(cfg, pre)
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        e0 = summary["epoch0"]
+        if e0 is None:
+            print(f"data: {summary['dataset']} does not exist yet: planned from batching.token_budget and "
+                  "data.max_seq_len")
+        else:
+            print(f"data: {summary['dataset']}: {summary['samples']} samples, {summary['tokens']} tokens "
+                  f"({summary['truncated']} truncated, {summary['dropped']} dropped); epoch 0: {e0['batches']} "
+                  f"batches, padding efficiency {e0['padding_efficiency']}")
+        print(f"placement: targets {list(pre.devices.targets)} (target_tp {cfg.topology.target_tp}), "
+              f"drafters {list(pre.devices.drafters)}")
+        print(pre.plan.table())
+    if pre.plan.problem:
+        print(f"error: {pre.plan.problem}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv=None) -> int:
@@ -201,8 +244,7 @@ def main(argv=None) -> int:
     try:
         node, resume, cfg, pre = settle(args, early)
         if args.plan_only:
-            print(plan_line(cfg, pre))
-            return 0
+            return show_plan(cfg, pre, args.json)
         from dflash_actors.job.job import Job
         job = Job(cfg, resume=resume, node=node, pre=pre, forkserver=early.server)
     except (ValueError, OSError) as e:   # ConfigError, DatasetError, ResumeError are ValueErrors

@@ -245,7 +245,9 @@ class Batch:
     def pad_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, col) of every packed token in the right-padded [B, max_len] layout."""
         lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        row = torch.repeat_interleave(torch.arange(self.n_samples, device=lengths.device), lengths)
+        # output_size: no device sync to learn the length (and a trace needs none).
+        row = torch.repeat_interleave(torch.arange(self.n_samples, device=lengths.device), lengths,
+                                      output_size=len(self.input_ids))
         return row, self.position_ids
 
     def padded(self, pad_id: int = 0) -> torch.Tensor:

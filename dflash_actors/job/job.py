@@ -10,9 +10,11 @@ starting point (version 0, or the newest checkpoint that verifies).
 
 ``run`` then makes attempts until one ends for a reason other than a rollback: an
 attempt allocates the shared state (``wiring.JobShared``), fills it with the starting
-weights, and runs the supervisor over the stages ``wiring`` describes. When the
-supervisor returns, for whatever reason (finished, signal, an actor that kept dying),
-the actors are gone and the shared state is consistent, so the final checkpoint is
+weights, and runs the supervisor over the stages ``wiring`` describes and the job's
+slot rings (allocated by the first attempt and kept, so a rollback does not leave the
+previous attempt's GPU ring allocated beside a new one). When the supervisor
+returns, for whatever reason (finished, signal, an actor that kept dying), the actors
+are gone and the shared state is consistent, so the final checkpoint is
 written from it here. If instead the optimizer found the committed state
 untrustworthy (``RollbackRequired``), the attempt's state is dropped unwritten and the
 next attempt starts from the newest checkpoint that verifies (version 0 if none does),
@@ -56,7 +58,7 @@ from ..models.target import resolve_dtype
 from ..observe import report
 from ..observe.monitor import Monitor, accounting
 from ..observe.status import JobStatus
-from ..runtime.channels import dtype_name
+from ..runtime.channels import Ring, dtype_name
 from ..runtime.events import EventLog
 from ..runtime.forking import ForkServerStarter
 from ..runtime.supervisor import JobResult, JobState, Supervisor, strike_self
@@ -82,7 +84,7 @@ from ..train.checkpoint import (
 from ..train.params import ParamLayout
 from ..train.simulate import feature_width
 from . import rundir, wiring
-from .preflight import Preflight, preflight
+from .preflight import Preflight, preflight, resolved
 
 
 @dataclass
@@ -188,8 +190,10 @@ class Job:
             raise ConfigError(f"topology.nodes: {cfg.topology.nodes}, but this launch is {node.describe()}; "
                               "launch.py sets it from --nnodes or the torchrun/SLURM environment")
         self.pre = pre or preflight(cfg, node.rank, progress)
+        self.cfg = cfg = resolved(cfg, self.pre)
         self.target, self.schedule = self.pre.target, self.pre.schedule
         self.cache: Optional[feature_cache.FeatureCache] = None
+        self.rings: Optional[list[Ring]] = None
         self.weights: Optional[shared_weights.SharedWeights] = None
         self.share = self._share_decision()     # share_weights on that cannot fit: exit 2 now
         self.cache_plan = None
@@ -367,11 +371,10 @@ class Job:
     def _attempt(self) -> JobResult:
         """One supervisor run over this attempt's shared state."""
         cfg, sched, first = self.cfg, self.schedule, self.start.version
-        width, feature_dtype = self._feature_format()
         stages = wiring.stages(cfg, sched, self.pre.devices, self.shared, self.pre.train_path, first, self.cache,
                                self.weights)
         monitor = Monitor(cfg, sched, self.shared, first, self.progress)
-        rings = wiring.rings(cfg, width, feature_dtype, self.pre.devices.features)
+        rings = self._rings()
         on_status = JobStatus(monitor, self.link)
         if self.cache is not None:
             on_status = with_cache_status(on_status, self.cache)
@@ -397,6 +400,17 @@ class Job:
             self.accounts = self._accounting(monitor, first)
             if evaluator is not None:
                 evaluator.finish(cfg.runtime.hang_timeout_s)
+
+    def _rings(self) -> list[Ring]:
+        """The slot rings, allocated by the first attempt and handed to every later one.
+        A dropped CUDA ring is not freed (its consumers never release their IPC counts),
+        so a ring per attempt would leave each rollback's beside the next; and what a slot
+        holds never matters across attempts: each attempt's ledger decides."""
+        if self.rings is None:
+            width, feature_dtype = self._feature_format()
+            specs = wiring.rings(self.cfg, width, feature_dtype, self.pre.devices.features)
+            self.rings = [Ring.allocate(spec) for spec in specs]
+        return self.rings
 
     def _accounting(self, monitor: Monitor, first: int) -> dict:
         devices = {"target": self.pre.devices.targets[0], "drafter": self.pre.devices.drafters[0]}

@@ -97,7 +97,10 @@ class Devices:
     """One per target rank: target i's gang is ``targets[i*K:(i+1)*K]`` (``topology.target_tp`` K)."""
     drafters: tuple[str, ...]
     features: str = "cpu"
-    """Where the feature ring lives (``feature_device``)."""
+    """Where the feature ring lives (``feature_device``, or the memory plan's choice)."""
+    optimizer: Optional[str] = None
+    """Where the optimizer keeps its state: the memory plan's choice
+    (``runtime.optimizer_device``); None: the first drafter's device."""
 
 
 def feature_device(transport: str, targets: tuple[str, ...], drafters: tuple[str, ...],
@@ -126,6 +129,20 @@ def feature_device(transport: str, targets: tuple[str, ...], drafters: tuple[str
         raise ConfigError(f"runtime.feature_transport: cuda puts the feature ring on {ring}, which "
                           f"{', '.join(far)} cannot reach peer to peer; use host or auto")
     return ring
+
+
+def ring_choices(transport: str, targets: tuple[str, ...], drafters: tuple[str, ...],
+                 peer: Callable[[int, int], bool] | None = None) -> tuple[str, ...]:
+    """Every device the feature ring may go on for ``runtime.feature_transport``, for the
+    memory plan to choose from: host memory, and (``auto``, ``cuda``) each drafter GPU
+    that every target's rank 0 and every drafter can reach (``feature_device``'s rule)."""
+    first = feature_device(transport, targets, drafters, peer)     # refuses what cuda cannot do
+    if transport == "host" or first == "cpu":
+        return ("cpu",)
+    peer = peer or torch.cuda.can_device_access_peer
+    users = [int(d[5:]) for d in (*targets, *drafters)]
+    gpus = [d for d in dict.fromkeys(drafters) if all(u == int(d[5:]) or peer(u, int(d[5:])) for u in users)]
+    return (*gpus, "cpu") if transport == "auto" else tuple(gpus)
 
 
 def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:
@@ -193,8 +210,8 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
               durable=schedule.is_last_for_drafter if cfg.runtime.grad_durability == "step" else None,
               spec=DrafterSpec(cfg, schedule, devices.drafters, s.weights, s.grads, s.batch_stats)),
         Stage("optimizer", Optimizer, State.GRAD_DONE, State.COMMITTED, route=in_order, credit=schedule.per_step,
-              spec=OptimizerSpec(cfg, schedule, devices.drafters[0], first_step, s.weights, s.grads,
-                                 s.batch_stats, s.step_stats, s.exchange)),
+              spec=OptimizerSpec(cfg, schedule, devices.optimizer or devices.drafters[0], first_step, s.weights,
+                                 s.grads, s.batch_stats, s.step_stats, s.exchange)),
     ]
 
 

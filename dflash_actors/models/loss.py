@@ -35,6 +35,7 @@ matmuls of the head per row instead of checkpointing's three).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 from dataclasses import dataclass, field
@@ -161,8 +162,25 @@ def flex_attend(block_mask, flex):
     return attend
 
 
+_ATTEND_AS = contextvars.ContextVar("attend_as", default=None)
+
+
+@contextlib.contextmanager
+def attention_as(factory):
+    """Inside, ``make_attend`` is ``factory``: how the memory plan runs CUDA's attention
+    on the CPU, where flex cannot run backward (``train.memtrace``)."""
+    token = _ATTEND_AS.set(factory)
+    try:
+        yield
+    finally:
+        _ATTEND_AS.reset(token)
+
+
 def make_attend(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int):
     """flex_attention on CUDA (block-sparse, no dense mask), dense sdpa mask elsewhere."""
+    factory = _ATTEND_AS.get()
+    if factory is not None:
+        return factory(anchors, lengths, ctx_len, block_size)
     if anchors.device.type == "cuda":
         return flex_attend(flex_block_mask(anchors, lengths, ctx_len, block_size), _compiled_flex())
     return sdpa_dense(block_mask_dense(anchors, lengths, ctx_len, block_size))
@@ -565,7 +583,6 @@ def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: fl
     micro-batch passes the whole batch's instead, so that its gradients add up to the
     batch's. ``weights``: the slot weights of ``blocks.rows``, when the caller has them
     (D-PACE over micro-batches). ``tally`` is what ``block_stats`` counts."""
-    B = drafter.block_size
     with autocast_for(features.device, compute_dtype):
         hidden = padded_hidden(drafter, head.embed_tokens, features, blocks.p, checkpoint_layers)
     p, valid, rows = blocks.p, blocks.valid, blocks.rows

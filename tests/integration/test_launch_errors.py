@@ -124,7 +124,7 @@ def test_resume_without_checkpoint(tmp_path, cache_dir, capsys):
 
 
 def test_topology_auto_picks_the_advised_split_and_says_why(tmp_path, cache_dir, capsys):
-    args = ["--topology", "auto", "--devices", "3", "--plan-only", "--run-dir", str(tmp_path / "run")]
+    args = ["--topology", "auto", "--devices", "3", "--plan-only", "--json", "--run-dir", str(tmp_path / "run")]
     for o in SMALL + [f"data.cache_dir={cache_dir}"]:
         args += ["--set", o]
     assert launch.main(args) == 0

@@ -31,7 +31,7 @@ def counted(monkeypatch):
 
 @pytest.mark.parametrize("options", [[], ["--topology", "auto", "--devices", "3", "--chaos", "4"]])
 def test_each_input_is_read_once(options, counted, tmp_path, cache_dir, capsys):
-    argv = ["--plan-only", "--run-dir", str(tmp_path / "run"), *options]
+    argv = ["--plan-only", "--json", "--run-dir", str(tmp_path / "run"), *options]
     for kv in SMALL + [f"data.cache_dir={cache_dir}"]:
         argv += ["--set", kv]
     assert launch.main(argv) == 0
@@ -46,7 +46,7 @@ def test_each_input_is_read_once(options, counted, tmp_path, cache_dir, capsys):
 
 
 def test_plan_only_shows_a_gangs_ranks(tmp_path, cache_dir, capsys):
-    argv = ["--plan-only", "--topology", "2x2-1", "--run-dir", str(tmp_path / "run")]
+    argv = ["--plan-only", "--json", "--topology", "2x2-1", "--run-dir", str(tmp_path / "run")]
     for kv in SMALL + [f"data.cache_dir={cache_dir}"]:
         argv += ["--set", kv]
     assert launch.main(argv) == 0
