@@ -13,8 +13,10 @@ from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
 
-# Default config: block 8, 32 anchors a row (256 block tokens), rows of up to ~190 tokens.
-MICRO = ("train.drafter_block_tokens=64", "train.checkpoint_layers=on")
+# Default config: block 8, 32 anchors a row (256 block tokens), rows of up to ~190 tokens:
+# two rows a micro-batch, about eight of them a batch (tests/unit/test_drafter_step.py
+# cuts rows apart too).
+MICRO = ("train.drafter_block_tokens=512", "train.checkpoint_layers=on")
 LEN = ("train.epochs=4", "train.grad_accum=2", "train.checkpoint_every=2")
 
 
