@@ -1,30 +1,47 @@
 """What ``benchmarks/gpu_check.sh`` measures on a lent GPU, one subcommand per section.
 
-    python -m benchmarks.gpu_bench env                       # versions, device, /dev/shm, disk
-    python -m benchmarks.gpu_bench target [--save DIR]       # 2a: target forward, Qwen3-8B shape, bf16
-    python -m benchmarks.gpu_bench drafter                   # 2b: drafter train step per compute dtype
-    python -m benchmarks.gpu_bench pipeline --variant V --target-dir DIR   # 2c: launch.py 1-1 on cuda:0
-    python -m benchmarks.gpu_bench tiny                      # 3: tiny 2-2 vs the reference, monitor view
-    python -m benchmarks.gpu_bench nodes                     # 3: two nodes over loopback
-    python -m benchmarks.gpu_bench collect OUT               # the final {"check": "gpu_check", ...} line
+    python -m benchmarks.gpu_bench env            # versions, device, /dev/shm, disk
+    python -m benchmarks.gpu_bench prepare        # 2c's target saved, 2c's plan (2b and 2c read it)
+    python -m benchmarks.gpu_bench tiny           # 3: tiny 2-2 over the CUDA feature ring vs the reference
+    python -m benchmarks.gpu_bench nodes          # 3: two nodes over loopback
+    python -m benchmarks.gpu_bench target         # 2a: target forward, Qwen3-8B shape, bf16
+    python -m benchmarks.gpu_bench drafter        # 2b: drafter step at the memory plan's micro-batch
+    python -m benchmarks.gpu_bench pipeline       # 2c: launch.py 1-1 on cuda:0, to steady steps
+    python -m benchmarks.gpu_bench serving        # prepare --server against vLLM (skips without it)
+    python -m benchmarks.gpu_bench collect WORK   # the final {"check": "gpu_check", ...} line
 
 Each measuring subcommand prints one JSON line and, with ``--out FILE``, writes it there
 too, rewritten as each part finishes: a section that runs out of time still leaves the
-parts it finished. ``--smoke`` runs the same code on CPU with tiny shapes (hidden 64,
-6 layers, vocab 256, 2 x 64 tokens), so that the paths are exercised where no GPU is;
-its numbers mean nothing.
+parts it finished. Launch logs and plans go to ``--work`` (``$WORK``). ``--smoke`` runs
+the same code on CPU with tiny shapes (hidden 64, 6 layers, vocab 256, 2 x 64 tokens),
+so that the paths are exercised where no GPU is; its numbers mean nothing.
 
 Choices, and why:
   * 2a and 2b build Qwen3-8B-shaped modules directly on the device with random weights
     (nothing to download; seconds, not minutes): speed does not depend on the values.
   * 2b builds only the target's ``embed_tokens`` and ``lm_head`` (bf16, frozen, the
-    modules ``TargetModel`` hands the loss) instead of the whole target: 16 GB less on
-    the device that holds the drafter's activations.
+    modules ``TargetModel`` hands the loss) instead of the whole target, and trains
+    through ``drafter_step`` at the micro-batch (``train.drafter_block_tokens``) and
+    checkpointing that ``launch.py --plan-only`` chooses for the pipeline's run (2c) on
+    this GPU: 2b is 2c's drafter step alone, and its peak memory is set beside the
+    plan's for ``drafter.0``.
+  * 2c is one run, sized to reach steady steps in about 200 s: the 8B-shaped 5-layer
+    drafter of 2b (its compiled kernels are then warm), a target of Qwen3-8B's shape cut
+    to ``PIPE_TARGET_LAYERS`` layers (7 GB instead of 16: quicker to save and load;
+    the drafter's work does not depend on the target's depth), loaded by the target
+    itself (``target.share_weights=off``: no 7 GB copy into /dev/shm), 4 threads an
+    actor, and everything else as the plan places it (feature ring, optimizer): the
+    product's own choices on this GPU. The CUDA feature ring across processes is
+    ``tiny``'s to check. ``prepare`` saves the target and makes the plan while the
+    first sections run, so that 2c's time goes to the run.
+  * Where a run has a plan (tiny, 2b, 2c), each process's planned peak per device is set
+    beside what it measured (``status.json``'s ``gpu_peak_mb``, ``max_memory_allocated``
+    on its device; the plan's figure includes a CUDA context that this does not).
   * FLOPs come from ``costmodel`` (the counts the run summaries use for MFU): matmuls
     ``2 * weights * tokens``, causal attention over half a row on average, drafter
     forward+backward as 3x forward. The target counts only layers ``0..max(layer_ids)``:
     ``TargetModel.hidden`` stops the forward after the deepest selected layer. Recomputed
-    work (the checkpointed cross-entropy chunks) is not counted, as usual for MFU.
+    work (checkpointed cross-entropy chunks or layers) is not counted, as usual for MFU.
   * MFU is achieved TFLOP/s over the device's bf16 dense peak (``monitor.PEAK_TFLOPS``;
     989 for an H200, also the fallback for a device not in that table). SpecForge
     reports about 44% trainer MFU on an H200; the drafter numbers are set beside it.
@@ -39,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -52,6 +70,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
+GIB = 2 ** 30
 SPECFORGE_MFU = 0.44
 """SpecForge's reported DFlash trainer MFU on an H200: the public anchor for 2b."""
 
@@ -61,6 +80,17 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=4096,
             tie_word_embeddings=False)
+
+PIPE_TARGET_LAYERS = 12
+"""2c's target: Qwen3-8B's shape with this many layers (module docstring)."""
+PIPE_TARGET_DIR = Path("/tmp/gpu-q8-12l")
+PLAN_FILE = "pipeline_plan.json"
+"""2c's plan, in the work folder: what 2b and 2c are sized by (``prepare``)."""
+PIPE_SAMPLES = 400
+"""Synthetic samples of 2c: 50 steps of 8, more than 200 s hold; the run is stopped by time
+(``--smoke``: 80, which two CPU cores finish)."""
+FALLBACK_BLOCK_TOKENS = 8192
+"""2b's micro-batch should ``--plan-only`` fail: a step is still measured (and the failure reported)."""
 
 
 @dataclass(frozen=True)
@@ -75,14 +105,10 @@ class Sizes:
     num_anchors: int
     warmup: int
     runs: int
-    slow_runs: tuple[int, int]
-    """(warmup, runs) for a float32 drafter step: several seconds each on an H200."""
 
 
-FULL = Sizes(QWEN3_8B, rows=8, seq_len=2048, draft_layers=5, block_size=16, num_anchors=512, warmup=2, runs=5,
-             slow_runs=(1, 3))
-SMOKE = Sizes(TINY, rows=2, seq_len=64, draft_layers=2, block_size=4, num_anchors=8, warmup=1, runs=2,
-              slow_runs=(1, 2))
+FULL = Sizes(QWEN3_8B, rows=8, seq_len=2048, draft_layers=5, block_size=16, num_anchors=512, warmup=1, runs=3)
+SMOKE = Sizes(TINY, rows=2, seq_len=64, draft_layers=2, block_size=4, num_anchors=8, warmup=1, runs=2)
 
 
 def say(msg: str) -> None:
@@ -93,19 +119,41 @@ def _sig(x: float | None, digits: int = 4) -> float | None:
     return None if x is None else float(f"{x:.{digits}g}")
 
 
+def _gib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else round(nbytes / GIB, 3)
+
+
+def _mib_gib(mib: float | None) -> float | None:
+    """status.json's MiB as GiB; None where the process reported none."""
+    return round(mib / 1024, 3) if mib else None
+
+
+def write_json(data: dict, path: str) -> None:
+    """``data`` as one line in ``path``, whole (by rename): a reader never sees half of it."""
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
 def emit(result: dict, out: str | None) -> None:
-    """Write ``result`` to ``out`` (whole, by rename) and print it as one line."""
-    line = json.dumps(result)
+    """Write ``result`` to ``out`` and print it as one line."""
     if out:
-        tmp = Path(out).with_suffix(".tmp")
-        tmp.write_text(line + "\n")
-        os.replace(tmp, out)
-    print(line, flush=True)
+        write_json(result, out)
+    print(json.dumps(result), flush=True)
 
 
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``, or {} where it is missing or cut short."""
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict):
+            return data
+    return {}
 
 
 # ---------------------------------------------------------------------------
@@ -162,7 +210,7 @@ def rates(flops: float, seconds: float, tokens: int, peak: float) -> dict:
 
 
 # ---------------------------------------------------------------------------
-# timing
+# timing and memory
 
 
 def sync(device) -> None:
@@ -194,10 +242,16 @@ def reset_memory(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory_gb(device) -> float | None:
+def memory_gib(device) -> dict:
+    """This process's CUDA memory on ``device`` (GiB): now and the peaks since the last
+    reset, allocated and reserved; Nones on the CPU."""
     import torch
 
-    return _sig(torch.cuda.max_memory_allocated(device) / 2 ** 30) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return {"allocated_gib": None, "max_allocated_gib": None, "max_reserved_gib": None}
+    return {"allocated_gib": _gib(torch.cuda.memory_allocated(device)),
+            "max_allocated_gib": _gib(torch.cuda.max_memory_allocated(device)),
+            "max_reserved_gib": _gib(torch.cuda.max_memory_reserved(device))}
 
 
 @contextlib.contextmanager
@@ -223,6 +277,95 @@ def setup(smoke: bool):
     return torch.device("cuda:0"), FULL
 
 
+def device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+# ---------------------------------------------------------------------------
+# plans: launch.py --plan-only beside what the processes measured
+
+
+def with_sets(cmd: list[str], sets: list[str]) -> list[str]:
+    for s in sets:
+        cmd = cmd + ["--set", s]
+    return cmd
+
+
+def plan_only(topology: str, sets: list[str], log: Path, timeout_s: float = 180.0) -> dict:
+    """``launch.py --plan-only --json`` for a launch of ``topology`` with these ``--set``s:
+    the memory plan that launch resolves before it spawns (``problem`` set where a device
+    does not fit), or ``{"error": ...}``. Its output goes to ``log``."""
+    cmd = with_sets([sys.executable, "launch.py", "--plan-only", "--json", "--topology", topology], sets)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"launch.py --plan-only timed out after {timeout_s:.0f} s"}
+    log.write_text(proc.stdout + proc.stderr)
+    lines = proc.stdout.strip().splitlines()
+    with contextlib.suppress(ValueError, IndexError):
+        plan = json.loads(lines[-1])
+        if isinstance(plan, dict):
+            return plan
+    return {"error": f"launch.py --plan-only exit {proc.returncode}: {last_error(log)}"}
+
+
+def step_part(plan: dict, process: str = "drafter.0") -> dict:
+    """The plan's part for ``process``'s drafter step at its peak (traced), or {}."""
+    for dev in plan.get("memory_plan") or []:
+        for p in dev["parts"]:
+            if p["process"] == process and p["key"] == "train.drafter_block_tokens":
+                return {"device": dev["device"], **p}
+    return {}
+
+
+def plan_brief(plan: dict) -> dict:
+    """What the plan decided, for the section's line (the whole plan is in its log)."""
+    out = {k: plan.get(k) for k in ("drafter_block_tokens", "checkpoint_layers", "optimizer_device",
+                                    "feature_device", "problem")}
+    if plan.get("error"):
+        out["error"] = plan["error"]
+    out["drafter_step_peak_gib"] = step_part(plan).get("gib")
+    return out
+
+
+def planned(plan: dict, process: str, device: str) -> tuple[float | None, float | None]:
+    """``(GiB, of which CUDA context GiB)`` the plan gives ``process`` on ``device``."""
+    total = next((p["gib"] for p in plan.get("processes") or [] if (p["process"], p["device"]) == (process, device)),
+                 None)
+    context = None
+    for dev in plan.get("memory_plan") or []:
+        if dev["device"] == device:
+            context = sum(p["gib"] for p in dev["parts"] if p["process"] == process and p["what"] == "CUDA context")
+    return total, context or None
+
+
+def plan_vs_measured(plan: dict, status: dict) -> list[dict]:
+    """One row per process and device of the plan: its planned peak (a CUDA context
+    included, ``context_gib`` of it) beside the peaks the process reported in
+    ``status.json`` (allocated and reserved on its current device, which is the planned
+    GPU in these one-GPU runs; null on the host, which no process reports); then a row
+    for each process that allocated GPU memory the plan did not give it."""
+    processes = {"supervisor": status.get("supervisor") or {}, **(status.get("actors") or {})}
+    rows, on_gpu = [], set()
+    for p in plan.get("processes") or []:
+        st = processes.get(p["process"])
+        gpu = p["device"].startswith("cuda") and st is not None
+        if gpu:
+            on_gpu.add(p["process"])
+        rows.append({"process": p["process"], "device": p["device"], "planned_gib": p["gib"],
+                     "context_gib": planned(plan, p["process"], p["device"])[1],
+                     "measured_peak_gib": _mib_gib(st.get("gpu_peak_mb")) if gpu else None,
+                     "reserved_peak_gib": _mib_gib(st.get("gpu_reserved_peak_mb")) if gpu else None})
+    for name, st in processes.items():
+        if name not in on_gpu and st.get("gpu_peak_mb"):
+            rows.append({"process": name, "device": "cuda, not planned", "planned_gib": None, "context_gib": None,
+                         "measured_peak_gib": _mib_gib(st["gpu_peak_mb"]),
+                         "reserved_peak_gib": _mib_gib(st.get("gpu_reserved_peak_mb"))})
+    return rows
+
+
 # ---------------------------------------------------------------------------
 # 2a: the target forward
 
@@ -240,8 +383,7 @@ def build_target(model: dict, draft_layers: int, device):
     return TargetModel(lm, build_target_layer_ids(model["num_hidden_layers"], draft_layers))
 
 
-def bench_target(sizes: Sizes, device, save: str | None = None, out: str | None = None) -> dict:
-    """2a; then, with ``save``, the model saved for 2c even when the measurement failed."""
+def bench_target(sizes: Sizes, device, out: str | None = None) -> dict:
     import torch
 
     reset_memory(device)
@@ -265,16 +407,11 @@ def bench_target(sizes: Sizes, device, save: str | None = None, out: str | None 
         flops = target_flops(sizes.model, target.layer_ids, sizes.rows, sizes.seq_len)
         result.update(times_s=[_sig(x) for x in times], flops_per_batch=_sig(flops),
                       **rates(flops, statistics.median(times), tokens, peak_tflops(device)),
-                      features_finite=bool(torch.isfinite(last[0]).all()), peak_mem_gb=peak_memory_gb(device))
-    except Exception as e:  # noqa: BLE001 - recorded; 2c still needs the saved model
-        result.update(error=first_line(e), peak_mem_gb=peak_memory_gb(device))
-    last.clear()
+                      features_finite=bool(torch.isfinite(last[0]).all()))
+    except Exception as e:  # noqa: BLE001 - an OOM is a result to record
+        result["error"] = first_line(e)
+    result["max_allocated_gib"] = memory_gib(device)["max_allocated_gib"]
     emit(result, out)
-    if save:
-        t = time.perf_counter()
-        save_model(target.model, Path(save))
-        result["saved"] = {"path": save, "s": _sig(time.perf_counter() - t, 3)}
-        emit(result, out)
     return result
 
 
@@ -288,18 +425,31 @@ def save_model(model, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def device_name(device) -> str:
+def _build_and_save_pipe_target(path: str) -> None:
     import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    with building_on(torch.device("cuda:0"), torch.bfloat16):
+        lm = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": PIPE_TARGET_LAYERS}))
+    save_model(lm, Path(path))
+
+
+def save_pipe_target(path: Path) -> float:
+    """2c's random bf16 target saved at ``path`` unless it is there; built on cuda:0 in a
+    child process, so that this one holds no GPU memory while the launch runs. Seconds."""
+    if (path / "config.json").is_file():
+        return 0.0
+    t = time.perf_counter()
+    p = multiprocessing.get_context("spawn").Process(target=_build_and_save_pipe_target, args=(str(path),))
+    p.start()
+    p.join()
+    if p.exitcode != 0:
+        raise RuntimeError(f"building and saving the pipeline's target exited {p.exitcode} (its traceback is above)")
+    return round(time.perf_counter() - t, 1)
 
 
 # ---------------------------------------------------------------------------
 # 2b: the drafter train step
-
-
-COMPUTE_DTYPES = ("auto", "float32")
-"""``train.compute_dtype`` values measured in 2b: bf16 autocast (the CUDA default), fp32."""
 
 
 def build_drafter_step(sizes: Sizes, device):
@@ -345,59 +495,83 @@ def build_drafter_step(sizes: Sizes, device):
     return drafter, head, features, batch, layer_ids
 
 
-def train_step(drafter, head, features, batch, num_anchors: int, compute_dtype: str, stats: dict):
-    """``step(i)``: the drafter actor's work on batch i (``batch_loss``, then ``backward``
-    into fresh gradients); the last loss and block count go into ``stats``."""
-    from dflash_actors.models.loss import Objective, batch_loss
+def train_step(drafter, head, features, batch, objective, block_tokens: int | None, checkpoint_layers: bool,
+               stats: dict):
+    """``step(i)``: the drafter actor's work on batch i of a one-batch step
+    (``drafter_step`` into fresh gradients); the last loss and block count go into ``stats``."""
+    from dflash_actors.train.drafter_step import drafter_step
 
     params = list(drafter.parameters())
 
     def step(i: int) -> None:
         for p in params:
             p.grad = None
-        loss, st = batch_loss(drafter, head, features, batch, Objective(num_anchors, 7.0, 0, compute_dtype),
-                              epoch=0, batch_id=i)
-        loss.backward()
-        stats.update(loss=float(loss.detach()), blocks=st.blocks)
+        st = drafter_step(drafter, head, features, batch, objective, epoch=0, batch_id=i, block_tokens=block_tokens,
+                          checkpoint_layers=checkpoint_layers)
+        stats.update(loss=st.metrics()["loss"], blocks=st.blocks)
     return step
 
 
-def bench_drafter(sizes: Sizes, device, out: str | None = None) -> dict:
-    drafter, head, features, batch, layer_ids = build_drafter_step(sizes, device)
-    params = list(drafter.parameters())
-    tokens = sizes.rows * sizes.seq_len
+def micro_batches(batch, objective, block_size: int, block_tokens: int | None) -> int:
+    """How many micro-batches ``drafter_step`` splits batch 0 into."""
+    from dflash_actors.models.loss import batch_anchors
+    from dflash_actors.train.drafter_step import split_anchors
+
+    anchors = batch_anchors(batch, objective.num_anchors, objective.seed, 0, 0)
+    lengths = [e - s for s, e in batch.sequences()]
+    return sum(1 for g in split_anchors(lengths, anchors, block_size, block_tokens) if any(len(a) for a in g))
+
+
+def bench_drafter(sizes: Sizes, device, plan: dict, out: str | None = None) -> dict:
+    """2b at the micro-batch and checkpointing ``plan`` (2c's) chooses; its peak memory
+    beside the plan's for ``drafter.0``, whose parts this process holds too (weights,
+    gradients, head, the batch's features, the step) but for the CUDA context."""
+    from dflash_actors.models.loss import Objective
+
     result = {"section": "drafter", "device": device_name(device),
               "shape": "smoke" if sizes is SMOKE else "qwen3-8b", "draft_layers": sizes.draft_layers,
-              "block_size": sizes.block_size, "num_anchors": sizes.num_anchors, "layer_ids": layer_ids,
-              "batch": [sizes.rows, sizes.seq_len], "tokens": tokens, "params": sum(p.numel() for p in params),
-              "specforge_mfu": SPECFORGE_MFU, "variants": {}}
-    peak = peak_tflops(device)
-    for cd in COMPUTE_DTYPES:
-        name = cd
-        stats: dict = {}
-        step = train_step(drafter, head, features, batch, sizes.num_anchors, cd, stats)
-        reset_memory(device)
-        warmup, runs = (sizes.warmup, sizes.runs) if cd == "auto" else sizes.slow_runs
-        try:
-            times = timed(step, warmup, runs, device)
-        except Exception as e:  # noqa: BLE001 - an OOM or a compile failure is a result to record
-            result["variants"][name] = {"error": first_line(e), "peak_mem_gb": peak_memory_gb(device)}
-            say(f"drafter {name}: {first_line(e)}")
-            for p in params:
-                p.grad = None
-            emit(result, out)
-            continue
+              "block_size": sizes.block_size, "num_anchors": sizes.num_anchors,
+              "batch": [sizes.rows, sizes.seq_len], "tokens": sizes.rows * sizes.seq_len,
+              "specforge_mfu": SPECFORGE_MFU, "plan": plan_brief(plan)}
+    if "drafter_block_tokens" in plan:
+        block_tokens, ckpt = plan["drafter_block_tokens"], bool(plan.get("checkpoint_layers"))
+    else:
+        block_tokens, ckpt = FALLBACK_BLOCK_TOKENS, False
+        result["error"] = f"no plan ({plan.get('error')}): measured at {FALLBACK_BLOCK_TOKENS} block tokens"
+    objective = Objective(sizes.num_anchors, 7.0, 0, "auto")
+    reset_memory(device)
+    drafter, head, features, batch, layer_ids = build_drafter_step(sizes, device)
+    params = sum(p.numel() for p in drafter.parameters())
+    before = memory_gib(device)["allocated_gib"]
+    result.update(layer_ids=layer_ids, params=params, block_tokens=block_tokens, checkpoint_layers=ckpt,
+                  micro_batches=micro_batches(batch, objective, sizes.block_size, block_tokens))
+    emit(result, out)
+    stats: dict = {}
+    step = train_step(drafter, head, features, batch, objective, block_tokens, ckpt, stats)
+    try:
+        times = timed(step, sizes.warmup, sizes.runs, device)
         anchors = max(1, round(stats["blocks"] / sizes.rows))
         flops = drafter_flops(sizes.model, len(layer_ids), sizes.draft_layers, sizes.rows, sizes.seq_len,
                               anchors, sizes.block_size)
-        row = {"compute_dtype": cd, "times_s": [_sig(x) for x in times], "anchors_per_row": anchors,
-               "flops_per_batch": _sig(flops), **rates(flops, statistics.median(times), tokens, peak),
-               "loss": _sig(stats["loss"]), "peak_mem_gb": peak_memory_gb(device)}
-        row["mfu_over_specforge"] = _sig(row["mfu"] / SPECFORGE_MFU, 3)
-        result["variants"][name] = row
-        emit(result, out)
-    if not result["variants"]:
-        emit(result, out)
+        result.update(times_s=[_sig(x) for x in times], anchors_per_row=anchors, flops_per_batch=_sig(flops),
+                      **rates(flops, statistics.median(times), result["tokens"], peak_tflops(device)),
+                      loss=_sig(stats["loss"]))
+        result["mfu_over_specforge"] = _sig(result["mfu"] / SPECFORGE_MFU, 3)
+    except Exception as e:  # noqa: BLE001 - an OOM or a compile failure is a result to record
+        result["error"] = first_line(e)
+        say(f"drafter: {first_line(e)}")
+    mem = memory_gib(device)
+    total, context = planned(plan, "drafter.0", str(device))
+    # The traced step peak leaves out weights, gradients and inputs (memtrace.StepTrace).
+    step_peak = None if before is None or mem["max_allocated_gib"] is None else \
+        round(mem["max_allocated_gib"] - before - params * 4 / GIB, 3)
+    result["memory"] = {"before_step_gib": before, **{k: mem[k] for k in ("max_allocated_gib", "max_reserved_gib")},
+                        "step_peak_gib": step_peak, "planned_step_peak_gib": step_part(plan).get("gib"),
+                        "planned_gib": total, "planned_context_gib": context}
+    result["plan_vs_measured"] = [{"process": "drafter.0", "device": str(device), "planned_gib": total,
+                                   "context_gib": context, "measured_peak_gib": mem["max_allocated_gib"],
+                                   "reserved_peak_gib": mem["max_reserved_gib"]}]
+    emit(result, out)
     return result
 
 
@@ -405,30 +579,54 @@ def bench_drafter(sizes: Sizes, device, out: str | None = None) -> dict:
 # 2c: the real pipeline, 1-1 on one GPU
 
 
-PIPELINE_VARIANTS = {
-    # name: (runtime.schedule, runtime.feature_transport)
-    "pipelined_cuda": ("pipelined", "cuda"),
-    "lockstep_cuda": ("lockstep", "cuda"),
-    "pipelined_host": ("pipelined", "host"),
-}
-
-
-def pipeline_sets(target_dir: str | None, device: str, samples: int, smoke: bool) -> list[str]:
-    """``--set`` overrides of 2c: the 8B-shaped target, a 5-layer drafter, 8 x ~2048-token
-    batches of synthetic data (``samples`` / 8 optimizer steps), no evaluation, a hang
-    timeout past the first batch's flex_attention compilation."""
+def pipeline_sets(target_dir: Path | None, device: str, smoke: bool) -> list[str]:
+    """``--set`` overrides of 2c (and of 2b's plan): the cut 8B-shaped target loaded by
+    the target actor, a 5-layer drafter, 8 x ~2048-token batches of synthetic data (one
+    a step), no evaluation, a hang timeout past the first batch's compilation, and 4
+    threads an actor (16 cores, four actors: the plan may put the optimizer's AdamW
+    over 1e9 parameters on the host)."""
     sets = [f"topology.target_devices=[{device}]", f"topology.drafter_devices=[{device}]",
             "train.epochs=1", "train.checkpoint_every=0", "eval.every=0", "runtime.hang_timeout_s=300",
             "monitor.console=lines", "monitor.tensorboard=false", "data.synthetic.heldout_samples=0",
-            f"data.synthetic.num_samples={samples}"]
+            f"data.synthetic.num_samples={80 if smoke else PIPE_SAMPLES}"]
     if target_dir is not None:
         sets.append(f"target.path={target_dir}")
+    # A cache of its own: ``prepare`` makes the data while other sections fill theirs.
     if smoke:
-        return sets + ["data.cache_dir=/tmp/gpu-bench-smoke-cache"]
-    return sets + ["drafter.num_layers=5", "drafter.block_size=16",
+        return sets + ["data.cache_dir=/tmp/gpu-bench-smoke-cache-pipe"]
+    return sets + ["target.share_weights=off", "train.num_threads=4", "drafter.num_layers=5", "drafter.block_size=16",
                    "batching.token_budget=16384", "data.max_seq_len=2048", "train.num_anchors=512",
                    "data.synthetic.prompt_len=[64, 128]", "data.synthetic.completion_len=[1920, 1984]",
-                   "data.cache_dir=/tmp/gpu-cache"]
+                   "data.cache_dir=/tmp/gpu-cache-pipe"]
+
+
+def prepare(work: Path, smoke: bool, out: str | None = None) -> dict:
+    """2c's target saved and 2c's plan made (``launch.py --plan-only`` with 2c's very
+    settings), each unless done already: gpu_check.sh runs this beside the first
+    sections, and 2b and 2c call it again to read the plan. Returns the plan (or
+    ``{"error": ...}``), which also goes to ``work/PLAN_FILE``."""
+    plan = read_json(work / PLAN_FILE)
+    if plan:
+        return plan
+    result: dict = {"section": "prepare"}
+    target_dir = None
+    if not smoke:
+        try:
+            result["target_save_s"] = save_pipe_target(PIPE_TARGET_DIR)
+        except Exception as e:  # noqa: BLE001 - recorded; 2b still measures, 2c cannot launch
+            result["error"] = first_line(e)
+            emit(result, out)
+            return {"error": result["error"]}
+        target_dir = PIPE_TARGET_DIR
+    t = time.perf_counter()
+    plan = plan_only("1-1", pipeline_sets(target_dir, "cpu" if smoke else "cuda:0", smoke), work / "pipeline_plan.log")
+    result.update(plan_s=round(time.perf_counter() - t, 1), plan=plan_brief(plan))
+    if "error" in plan:
+        result["error"] = plan["error"]
+    else:
+        write_json(plan, str(work / PLAN_FILE))
+    emit(result, out)
+    return plan
 
 
 def run_launch(cmd: list[str], log: Path, limit_s: float, grace_s: float) -> tuple[int, bool]:
@@ -516,46 +714,49 @@ def last_error(log: Path, lines: int = 60) -> str | None:
     return text[-1][:400] if text else None
 
 
-def bench_pipeline(variant: str, target_dir: str | None, run_dir: Path, log: Path, limit_s: float,
-                   samples: int, smoke: bool, out: str | None = None) -> dict:
-    schedule, transport = PIPELINE_VARIANTS[variant]
-    if smoke:
-        transport = "host"      # cuda needs both ends on a GPU
-    result = {"section": "pipeline", "variant": variant, "schedule": schedule, "feature_transport": transport}
-    if not (Path(target_dir) / "config.json").is_file():
-        if not smoke:
-            result["error"] = f"no saved target at {target_dir} (section target did not save it)"
-            emit(result, out)
-            return result
-        target_dir = None       # the smoke run falls back to the tiny default target
-    sets = pipeline_sets(target_dir, "cpu" if smoke else "cuda:0", samples, smoke)
-    sets.append(f"runtime.schedule={schedule}")
-    if variant != next(iter(PIPELINE_VARIANTS)):
-        # The first variant runs the target's start-up self-check (bf16, random weights,
-        # never tried on a GPU); should it refuse, the other two still measure.
-        sets.append("target.self_check=false")
-    sets.append(f"runtime.feature_transport={transport}")
+def planned_block_tokens(run_dir: Path):
+    """``train.drafter_block_tokens`` as the run resolved it (its config.yaml), or None."""
+    import yaml
+
+    with contextlib.suppress(OSError, ValueError, AttributeError, yaml.YAMLError):
+        return ((yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("train") or {}).get(
+            "drafter_block_tokens")
+    return None
+
+
+def bench_pipeline(run_dir: Path, work: Path, limit_s: float, smoke: bool, out: str | None = None) -> dict:
+    """2c: the launch, with what is left of ``limit_s`` once ``prepare`` has (had) its way."""
+    end = time.monotonic() + limit_s
+    device = "cpu" if smoke else "cuda:0"
+    result: dict = {"section": "pipeline", "topology": "1-1",
+                    "target": "tiny default" if smoke else f"qwen3-8b shape, {PIPE_TARGET_LAYERS} layers"}
+    plan = prepare(work, smoke)
+    sets = pipeline_sets(None if smoke else PIPE_TARGET_DIR, device, smoke)
+    result["plan"] = plan_brief(plan)
+    if plan.get("problem") or plan.get("error"):
+        result["error"] = f"plan: {plan.get('problem') or plan.get('error')}"
+        emit(result, out)
+        return result
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "launch.py", "--topology", "1-1", "--run-dir", str(run_dir)]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = with_sets([sys.executable, "launch.py", "--topology", "1-1", "--run-dir", str(run_dir)], sets)
+    left = end - time.monotonic()
     t = time.perf_counter()
-    rc, timed_out = run_launch(cmd, log, limit_s, grace_s=min(40.0, limit_s / 4))
+    # The grace covers the final checkpoint (~12 GB) before the summary is written.
+    rc, timed_out = run_launch(cmd, work / "pipeline_launch.log", left, grace_s=min(45.0, left / 4))
     result.update(rc=rc, timed_out=timed_out, wall_s=round(time.perf_counter() - t, 1))
-    summary = {}
-    with contextlib.suppress(OSError, ValueError):
-        summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_json(run_dir / "summary.json")
     rate = steady(read_jsonl(run_dir / "metrics.jsonl", "step"))
     result.update(result_reason=summary.get("result"), steps=summary.get("step"),
                   total_steps=summary.get("total_steps"), loss=summary.get("loss"),
                   summary_tokens_per_s=summary.get("tokens_per_s"), summary_wall_s=summary.get("wall_s"),
                   restarts=summary.get("restarts"), steady=rate, tokens_per_s=rate.get("tokens_per_s"),
-                  stages=stage_view(summary, rate))
-    if rc != 0:
-        result["error"] = (f"timed out after {limit_s:.0f} s; " if timed_out else f"exit {rc}; ") + \
-            (last_error(log) or "no output")
-    # Each checkpoint of this drafter is ~12 GB (weights and AdamW moments): three runs
-    # of them would fill the lent machine's disk.
+                  stages=stage_view(summary, rate), run_block_tokens=planned_block_tokens(run_dir),
+                  plan_vs_measured=plan_vs_measured(plan, read_json(run_dir / "status.json")))
+    # Stopped by time, the run is still a success here once it has steady steps.
+    if rc != 0 and not (timed_out and rate):
+        result["error"] = (f"timed out after {left:.0f} s; " if timed_out else f"exit {rc}; ") + \
+            (last_error(work / "pipeline_launch.log") or "no output")
+    # A checkpoint of this drafter is ~12 GB (weights and AdamW moments) of the lent machine's disk.
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     emit(result, out)
     return result
@@ -566,8 +767,10 @@ def bench_pipeline(variant: str, target_dir: str | None, run_dir: Path, log: Pat
 
 
 def tiny_sets(smoke: bool) -> list[str]:
-    return ["data.cache_dir=/tmp/gpu-bench-smoke-cache" if smoke else "data.cache_dir=/tmp/gpu-cache",
-            "train.epochs=1", "monitor.console=lines", "monitor.tensorboard=false"]
+    """The default config for one epoch of 256 samples (17 steps: what is checked is the
+    data plane and the result, which fewer steps show as well, and in less time)."""
+    return ["train.epochs=1", "monitor.console=lines", "monitor.tensorboard=false", "data.synthetic.num_samples=256",
+            "data.cache_dir=/tmp/gpu-bench-smoke-cache" if smoke else "data.cache_dir=/tmp/gpu-cache"]
 
 
 def devices_sets(device: str, n: int) -> list[str]:
@@ -575,40 +778,32 @@ def devices_sets(device: str, n: int) -> list[str]:
     return [f"topology.target_devices=[{devs}]", f"topology.drafter_devices=[{devs}]"]
 
 
-def with_sets(cmd: list[str], sets: list[str]) -> list[str]:
-    for s in sets:
-        cmd = cmd + ["--set", s]
-    return cmd
-
-
-def bench_tiny(logs: Path, limit_s: float, smoke: bool, out: str | None = None) -> dict:
-    """The tiny default target 2-2 (all on one device) and the single-process reference,
-    side by side; equal within tolerance on CUDA (not bits); the monitor's GPU view."""
+def bench_tiny(work: Path, limit_s: float, smoke: bool, out: str | None = None) -> dict:
+    """The tiny default target 2-2 (all on one device; on a GPU the feature ring is there
+    too, shared by CUDA IPC) and the single-process reference, side by side; equal within
+    tolerance on CUDA (not bits); each process's memory beside its plan."""
+    end = time.monotonic() + limit_s
     device = "cpu" if smoke else "cuda:0"
     run, ref = Path("/tmp/gpu-2-2"), Path("/tmp/gpu-ref")
     for d in (run, ref):
         shutil.rmtree(d, ignore_errors=True)
     sets = tiny_sets(smoke)
+    plan = plan_only("2-2", sets + devices_sets(device, 2), work / "tiny_plan.log")
+    result = {"section": "tiny", "plan": plan_brief(plan)}
     cmds = {"pipeline_2_2": with_sets([sys.executable, "launch.py", "--topology", "2-2", "--run-dir", str(run)],
                                       sets + devices_sets(device, 2)),
             "reference_2_2": with_sets([sys.executable, "launch.py", "reference", "--topology", "2-2",
                                         "--run-dir", str(ref)], sets)}
-    procs = {k: subprocess.Popen(c, cwd=ROOT, stdout=open(logs / f"{k}.log", "w"), stderr=subprocess.STDOUT)
+    procs = {k: subprocess.Popen(c, cwd=ROOT, stdout=open(work / f"tiny_{k}.log", "w"), stderr=subprocess.STDOUT)
              for k, c in cmds.items()}
-    deadline = time.monotonic() + limit_s
-    result = {"section": "tiny"}
     for k, p in procs.items():
         try:
-            result[f"{k}_rc"] = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            result[f"{k}_rc"] = p.wait(timeout=max(1.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             result[f"{k}_rc"] = p.wait()
             result.setdefault("error", f"{k} timed out after {limit_s:.0f} s")
-    summary, reference = {}, {}
-    with contextlib.suppress(OSError, ValueError):
-        summary = json.loads((run / "summary.json").read_text())
-    with contextlib.suppress(OSError, ValueError):
-        reference = json.loads((ref / "reference.json").read_text())
+    summary, reference = read_json(run / "summary.json"), read_json(ref / "reference.json")
     losses = []
     with contextlib.suppress(OSError, ValueError):
         losses = json.loads((run / "losses.json").read_text())
@@ -617,19 +812,16 @@ def bench_tiny(logs: Path, limit_s: float, smoke: bool, out: str | None = None) 
     result.update(steps=summary.get("step"), final_loss=a, reference_final_loss=b, rel_diff=_sig(rel),
                   match=rel is not None and rel < 2e-2, tokens_per_s=summary.get("tokens_per_s"),
                   reference_tokens_per_s=reference.get("tokens_per_s"))
-    resources = read_jsonl(run / "metrics.jsonl", "resources")
-    result["gpu_mem_mb"] = {a: v["gpu_mem_mb"] for r in resources for a, v in r["actors"].items()
-                            if v.get("gpu_mem_mb")}
-    result["gpus"] = resources[-1].get("gpus") if resources else None
     result["stages"] = {k: v for k, v in (summary.get("stages") or {}).items() if k in ("target", "drafter")}
+    result["plan_vs_measured"] = plan_vs_measured(plan, read_json(run / "status.json"))
     for k in procs:
         if result[f"{k}_rc"] != 0:
-            result.setdefault("error", f"{k} exit {result[f'{k}_rc']}: {last_error(logs / f'{k}.log')}")
+            result.setdefault("error", f"{k} exit {result[f'{k}_rc']}: {last_error(work / f'tiny_{k}.log')}")
     emit(result, out)
     return result
 
 
-def bench_nodes(logs: Path, limit_s: float, smoke: bool, out: str | None = None) -> dict:
+def bench_nodes(work: Path, limit_s: float, smoke: bool, out: str | None = None) -> dict:
     """Two nodes on this machine (loopback), each 1-1 on one device, the gradient chain
     over gloo from host memory (NCCL refuses two ranks on one GPU): both must finish
     with identical replicas and the exchange time in their summaries."""
@@ -644,7 +836,7 @@ def bench_nodes(logs: Path, limit_s: float, smoke: bool, out: str | None = None)
     for r in (0, 1):
         cmd = with_sets([sys.executable, "launch.py", "--topology", "1-1", "--run-dir", str(run), "--nnodes", "2",
                          "--node-rank", str(r), "--master", f"127.0.0.1:{port}"], sets)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / f"nodes_{r}.log", "w"),
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=open(work / f"nodes_{r}.log", "w"),
                                       stderr=subprocess.STDOUT))
     deadline = time.monotonic() + limit_s
     result = {"section": "nodes", "rc": []}
@@ -657,23 +849,23 @@ def bench_nodes(logs: Path, limit_s: float, smoke: bool, out: str | None = None)
             result.setdefault("error", f"timed out after {limit_s:.0f} s")
     clusters = []
     for r in (0, 1):
-        for line in (logs / f"nodes_{r}.log").read_text(errors="replace").splitlines():
+        for line in (work / f"nodes_{r}.log").read_text(errors="replace").splitlines():
             if '"cluster"' in line:
                 with contextlib.suppress(ValueError):
                     clusters.append(json.loads(line)["cluster"])
     result["cluster"] = clusters
     for r, rc in enumerate(result["rc"]):
         if rc != 0:
-            result.setdefault("error", f"node {r} exit {rc}: {last_error(logs / f'nodes_{r}.log')}")
+            result.setdefault("error", f"node {r} exit {rc}: {last_error(work / f'nodes_{r}.log')}")
     emit(result, out)
     return result
 
 
 # ---------------------------------------------------------------------------
-# the environment, and the final line
+# serving, the environment, and the final line
 
 
-def bench_serving(logs: Path, limit_s: float, out: str | None = None) -> dict:
+def bench_serving(work: Path, limit_s: float, out: str | None = None) -> dict:
     """``prepare --server`` against a real vLLM on this machine, when vLLM is installed
     (nothing is downloaded): the tiny chat target served on cuda:0, 16 prompts through
     the token-id path; records the path taken, rows and tokens/s. Skipped without vLLM."""
@@ -700,7 +892,7 @@ def bench_serving(logs: Path, limit_s: float, out: str | None = None) -> dict:
     deadline = time.monotonic() + limit_s
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                "--port", str(port), "--max-model-len", "512", "--gpu-memory-utilization", "0.3"],
-                              stdout=open(logs / "serving_vllm.log", "w"), stderr=subprocess.STDOUT,
+                              stdout=open(work / "serving_vllm.log", "w"), stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
         t0 = time.monotonic()
@@ -709,7 +901,7 @@ def bench_serving(logs: Path, limit_s: float, out: str | None = None) -> dict:
                 if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
                     break
             if server.poll() is not None:
-                raise RuntimeError(f"vLLM exited {server.returncode}: {last_error(logs / 'serving_vllm.log')}")
+                raise RuntimeError(f"vLLM exited {server.returncode}: {last_error(work / 'serving_vllm.log')}")
             time.sleep(2)
         else:
             raise RuntimeError("vLLM did not answer /health in time")
@@ -720,9 +912,9 @@ def bench_serving(logs: Path, limit_s: float, out: str | None = None) -> dict:
                "--concurrency", "16"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               timeout=max(10.0, deadline - time.monotonic()))
-        (logs / "serving_prepare.log").write_text(proc.stdout + proc.stderr)
+        (work / "serving_prepare.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode:
-            raise RuntimeError(f"prepare --server exit {proc.returncode}: {last_error(logs / 'serving_prepare.log')}")
+            raise RuntimeError(f"prepare --server exit {proc.returncode}: {last_error(work / 'serving_prepare.log')}")
         meta = json.loads((work / "ds" / "prepare.json").read_text())
         engine = meta.get("engine", {})
         result.update(path=engine.get("path"), rows=meta["completions"], generated_tokens=meta["generated_tokens"],
@@ -748,9 +940,10 @@ def bench_env(out: str | None = None) -> dict:
         import torch
         import transformers
 
+        n = torch.cuda.device_count()
         result.update(torch=torch.__version__, transformers=transformers.__version__,
-                      cuda=torch.cuda.is_available(), devices=[torch.cuda.get_device_name(i)
-                                                               for i in range(torch.cuda.device_count())])
+                      cuda=torch.cuda.is_available(), devices=[torch.cuda.get_device_name(i) for i in range(n)],
+                      device_memory_gib=[_gib(torch.cuda.get_device_properties(i).total_memory) for i in range(n)])
     except Exception as e:  # noqa: BLE001 - recorded; the sections that need torch fail on their own
         result["error"] = first_line(e)
     for name, path in (("shm_free_gb", "/dev/shm"), ("tmp_free_gb", "/tmp")):
@@ -760,108 +953,156 @@ def bench_env(out: str | None = None) -> dict:
     return result
 
 
+PYTEST_OUTCOMES = ("passed", "failed", "errors", "error", "skipped", "xfailed", "xpassed", "deselected")
+
+
 def pytest_counts(log: Path) -> dict:
-    """``{"passed": 3, "skipped": 1, ...}`` from pytest's last summary line."""
+    """``{"passed": 3, "skipped": 1, ..., "tests": {name: outcome}, "finished": bool}`` from
+    a ``pytest -v`` log: the counts of its summary line, or, where it was killed before
+    printing one, of its per-test lines, and then the test it was in (``killed_in``)."""
     if not log.is_file():
         return {}
-    for line in reversed(log.read_text(errors="replace").splitlines()):
-        found = re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", line)
-        if found:
-            return {k: int(n) for n, k in found}
-    return {}
+    lines = log.read_text(errors="replace").splitlines()
+    tests, running = {}, None
+    for line in lines:
+        m = re.match(r"^(\S+::\S+)(?: (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b)?", line)
+        if m:
+            name = m.group(1).rsplit("::", 1)[1]
+            if m.group(2):
+                tests[name] = m.group(2)
+                running = None
+            else:
+                running = name
+    out: dict = {}
+    for line in reversed(lines):
+        if line.startswith("=") and " in " in line:
+            found = re.findall(r"(\d+) (" + "|".join(PYTEST_OUTCOMES) + r")\b", line)
+            if found:
+                out = {("errors" if k == "error" else k): int(n) for n, k in found}
+                break
+    finished = bool(out)
+    if not finished:
+        for outcome in tests.values():
+            key = {"ERROR": "errors", "XFAIL": "xfailed", "XPASS": "xpassed"}.get(outcome, outcome.lower())
+            out[key] = out.get(key, 0) + 1
+        if running:
+            out["killed_in"] = running
+    return {**out, "tests": tests, "finished": finished}
 
 
-def ratio(a, b) -> float | None:
-    return _sig(a / b, 3) if a and b else None
+HEADLINE = ("passed", "failed", "errors", "killed_in", "match", "rel_diff", "target_save_s", "plan_s", "block_tokens",
+            "micro_batches", "steps", "tokens_per_s", "tflops", "mfu", "skipped")
+"""A section's keys shown in its line of the final printout, where it has them."""
 
 
-def collect(out_dir: Path, started: float | None = None) -> dict:
+def pruned(data):
+    """``data`` without the None values of its dicts, at any depth: the final line is
+    read from an output tail of 12,000 characters."""
+    if isinstance(data, dict):
+        return {k: pruned(v) for k, v in data.items() if v is not None}
+    return data
+
+
+def collect(work: Path, started: float | None = None) -> dict:
     """The final line from ``sections.tsv`` (name, exit code or ``skipped``, seconds) and
-    each section's JSON; ``failed`` names every section that did not finish cleanly."""
+    each section's JSON (pruned, and without the plan ``prepare`` shows already);
+    ``failed`` names every section that did not finish cleanly; ``plan_vs_measured``
+    gathers the sections' rows (their nulls kept: a row has every column)."""
     result: dict = {"check": "gpu_check"}
     if started:
         result["wall_s"] = round(time.time() - started, 1)
-    sections, failed, skipped = {}, [], []
-    rows = (out_dir / "sections.tsv").read_text().splitlines() if (out_dir / "sections.tsv").is_file() else []
-    for row in rows:
+    sections, failed, skipped, rows, prepared = {}, [], [], [], None
+    tsv = work / "sections.tsv"
+    for row in (tsv.read_text().splitlines() if tsv.is_file() else []):
         name, rc, secs = (row.split("\t") + ["", ""])[:3]
         sections[name] = {"rc": rc, "s": int(secs) if secs.isdigit() else None}
     result["sections"] = sections
-    pipeline = {}
     for name, st in sections.items():
-        data = {}
-        with contextlib.suppress(OSError, ValueError):
-            data = json.loads((out_dir / f"{name}.json").read_text())
         if st["rc"] == "skipped":
             skipped.append(name)
             continue
-        if name == "cuda_tests":
-            data = pytest_counts(out_dir / "cuda_tests.log")
-        if name.startswith("pipe_"):
-            pipeline[name[5:]] = data
-        elif data:
-            result[name] = data
-        err = data.get("error")
-        if name == "drafter":
-            errs = [f"{k}: {v['error']}" for k, v in data.get("variants", {}).items() if "error" in v]
-            err = err or ("; ".join(errs) if errs else None)
+        data = pytest_counts(work / "cuda_tests.log") if name == "cuda_tests" else read_json(work / f"{name}.json")
+        data.pop("section", None)
+        rows += [{"section": name, **r} for r in data.pop("plan_vs_measured", None) or []]
+        if name == "cuda_tests" and "tests" in data:    # the tests that did not pass, by name
+            data["tests"] = {k: v for k, v in data["tests"].items() if v != "PASSED"}
+        if name == "prepare":
+            prepared = data.get("plan")
+        elif data.get("plan") and data["plan"] == prepared:
+            del data["plan"]
+        if data:
+            result[name] = pruned(data)
+        err = data.get("error") or (f"killed in {data['killed_in']}" if data.get("killed_in") else None)
         if st["rc"] != "0" or err:
             why = {"124": f"timed out after {st['s']} s", "137": f"killed after {st['s']} s"}.get(st["rc"], "")
-            line = err or last_error(out_dir / f"{name}.log") or f"exit {st['rc']}"
+            line = err or last_error(work / f"{name}.log") or f"exit {st['rc']}"
             failed.append({"section": name, "rc": st["rc"], "error": f"{why}: {line}" if why else line})
-    if pipeline:
-        rate = {k: v.get("tokens_per_s") for k, v in pipeline.items()}
-        pipeline["pipelined_over_lockstep"] = ratio(rate.get("pipelined_cuda"), rate.get("lockstep_cuda"))
-        pipeline["cuda_over_host"] = ratio(rate.get("pipelined_cuda"), rate.get("pipelined_host"))
-        result["pipeline"] = pipeline
+    result["plan_vs_measured"] = rows
     result["skipped"] = skipped
     result["failed"] = failed
     return result
 
 
+def report_lines(result: dict) -> list[str]:
+    """One short line per section and one per planned process, for the output's tail."""
+    out = []
+    for name, st in result.get("sections", {}).items():
+        data = result.get(name) or {}
+        shown = ", ".join(f"{k} {data[k]}" for k in HEADLINE if data.get(k) not in (None, ""))
+        out.append(f"{name}: {st['rc']} in {st['s']} s" + (f"; {shown}" if shown else ""))
+    for r in result.get("plan_vs_measured", []):
+        out.append(f"plan {r['section']} {r['process']} {r['device']}: {r['planned_gib']} GiB planned "
+                   f"({r['context_gib']} context); peak {r['measured_peak_gib']} allocated, "
+                   f"{r['reserved_peak_gib']} reserved")
+    return [x[:200] for x in out]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("env", "target", "drafter", "pipeline", "tiny", "nodes", "serving", "collect"))
-    ap.add_argument("dir", nargs="?", help="collect: the folder of the section files ($OUT)")
+    ap.add_argument("what", choices=("env", "prepare", "tiny", "nodes", "target", "drafter", "pipeline", "serving",
+                                     "collect"))
+    ap.add_argument("dir", nargs="?", help="collect: the folder of the section files ($WORK)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: exercise the code, measure nothing")
     ap.add_argument("--out", help="also write the JSON line to this file")
-    ap.add_argument("--save", help="target: then save the model here (safetensors), for the pipeline")
-    ap.add_argument("--variant", choices=tuple(PIPELINE_VARIANTS), default="pipelined_cuda")
-    ap.add_argument("--target-dir", default="/tmp/gpu-q8")
-    ap.add_argument("--samples", type=int, default=80, help="pipeline: synthetic samples (8 per optimizer step)")
     ap.add_argument("--limit", type=float, default=float(os.environ.get("SECTION_S", 300)) - 10,
                     help="seconds for the launches (default: $SECTION_S - 10)")
-    ap.add_argument("--logs", default=os.environ.get("OUT", "/tmp/gpu_check"), help="where launch logs go")
+    ap.add_argument("--work", default=os.environ.get("WORK", "/tmp/gpu_check_work"),
+                    help="where launch logs and plans go")
     ap.add_argument("--started", type=float, help="collect: the check's start (unix time)")
     args = ap.parse_args(argv)
-    logs = Path(args.logs)
-    logs.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
     if args.what == "collect":
-        emit(collect(Path(args.dir or logs), args.started), args.out)
+        result = collect(Path(args.dir or work), args.started)
+        for line in report_lines(result):
+            print(line)
+        emit(result, args.out)
         return 0
     if args.what == "env":
         bench_env(args.out)
         return 0
+    if args.what == "prepare":
+        return 1 if "error" in prepare(work, args.smoke, args.out) else 0
     if args.what in ("target", "drafter"):
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        device, sizes = setup(args.smoke)
         if args.what == "target":
-            bench_target(sizes, device, args.save, args.out)
+            device, sizes = setup(args.smoke)
+            r = bench_target(sizes, device, args.out)
         else:
-            bench_drafter(sizes, device, args.out)
-        return 0
-    if args.what == "pipeline":
-        r = bench_pipeline(args.variant, args.target_dir, Path(f"/tmp/gpu-pipe-{args.variant}"),
-                           logs / f"pipe_{args.variant}_launch.log", args.limit, args.samples, args.smoke, args.out)
+            plan = prepare(work, args.smoke)   # before this process touches the GPU
+            device, sizes = setup(args.smoke)
+            r = bench_drafter(sizes, device, plan, args.out)
+    elif args.what == "pipeline":
+        r = bench_pipeline(Path("/tmp/gpu-pipe"), work, args.limit, args.smoke, args.out)
     elif args.what == "tiny":
-        r = bench_tiny(logs, args.limit, args.smoke, args.out)
+        r = bench_tiny(work, args.limit, args.smoke, args.out)
     elif args.what == "serving":
-        r = bench_serving(logs, args.limit, args.out)
+        r = bench_serving(work, args.limit, args.out)
     else:
-        r = bench_nodes(logs, args.limit, args.smoke, args.out)
+        r = bench_nodes(work, args.limit, args.smoke, args.out)
     return 1 if r.get("error") else 0
 
 

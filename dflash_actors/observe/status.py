@@ -18,7 +18,7 @@ key to be missing, as files from older runs lack newer keys)::
     forkserver_pid      the pre-imported server the actors fork from (their parent),
                         null under spawn; it dies with the supervisor
     forkserver_restarts times the server was lost and replaced (or given up for spawn)
-    supervisor          {rss_mb, cpu_pct}
+    supervisor          {rss_mb, cpu_pct, and its GPU memory as an actor's below}
     stuck_after_s       an actor without a heartbeat this long is called stuck
     hang_timeout_s      ... and this long, killed and restarted
     actors              {actor id: {
@@ -30,7 +30,13 @@ key to be missing, as files from older runs lack newer keys)::
         batch             the batch id in hand, or null
         holds             batch ids the dispatcher has given it
         busy_s            seconds spent in work; busy_pct_30s: of the last 30 s
-        rss_mb, cpu_pct, gpu_mem_mb
+        rss_mb, cpu_pct
+        gpu_mem_mb        CUDA memory its caching allocator holds, MiB, on its current
+                          device, as of its start-up, its last work item or its exit
+                          (null: the process has not used CUDA)
+        gpu_peak_mb       the peak it allocated there since it started (what the memory
+                          plan, ``launch.py --plan-only``, predicts less the CUDA context)
+        gpu_reserved_peak_mb  the peak its caching allocator held there
         phase             before Ready: {name, done, total, elapsed_s, idle_s}, else null
         stuck             why it looks stuck, or null}}
     rings               {ring name: {slots, used}}

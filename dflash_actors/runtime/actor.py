@@ -76,6 +76,8 @@ class HB(enum.IntEnum):
     BUSY = 6        # seconds spent on Work items, over every incarnation of this actor
     WORK_T0 = 7     # time.monotonic() when the Work item in hand began, 0 when idle
     GPU_MB = 8      # CUDA memory the caching allocator holds, MiB (0 without CUDA)
+    GPU_PEAK_MB = 9             # this incarnation's peak of CUDA memory allocated, MiB
+    GPU_RESERVED_PEAK_MB = 10   # ... and of CUDA memory the caching allocator held, MiB
 
 
 class Heartbeats:
@@ -110,7 +112,8 @@ class Heartbeats:
         r = self._a[n]
         return {"pid": int(r[HB.PID]), "phase": Phase(int(r[HB.PHASE])), "beat": float(r[HB.BEAT]),
                 "done": int(r[HB.DONE]), "wip": int(r[HB.WIP]), "batch": int(r[HB.BATCH]),
-                "gpu_mb": float(r[HB.GPU_MB])}
+                "gpu_mb": float(r[HB.GPU_MB]), "gpu_peak_mb": float(r[HB.GPU_PEAK_MB]),
+                "gpu_reserved_peak_mb": float(r[HB.GPU_RESERVED_PEAK_MB])}
 
     def busy(self, n: int, now: float) -> float:
         """Seconds actor ``n`` has spent working up to ``now``, the item in hand included."""
@@ -275,16 +278,17 @@ def actor_main(cls: type, ctx: ActorContext) -> None:
         hb.set(n, phase=Phase.ATTACHING)
         actor = cls(ctx)
         actor.attach()
-        hb.set(n, phase=Phase.IDLE)
+        hb.set(n, phase=Phase.IDLE, **gpu_memory())
         ctx.conn.send(Ready(ctx.actor_id, os.getpid()))
         _serve(actor, ctx)
     except Shutdown:
         hb.set(n, phase=Phase.DRAINING)
         if actor is not None:
             actor.drain()
-        hb.set(n, phase=Phase.EXITED)
+        hb.set(n, phase=Phase.EXITED, **gpu_memory())
         _exit(0)
     except BaseException as e:  # the one place errors are caught in an actor process
+        hb.set(n, **gpu_memory())   # an out-of-memory's peak: what the memory plan missed
         err = ActorError(ctx.actor_id, type(e).__name__, str(e), traceback.format_exc(),
                          raised=e if isinstance(e, (Escalate, ProtocolError)) else None)
         try:
@@ -322,7 +326,7 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
         if ctx.rank > 0:    # a gang's follower: rank 0 commits for the gang
             done += 1
             hb.set(n, phase=Phase.IDLE, batch=-1, done=done, busy=hb.busy(n, time.monotonic()), work_t0=0,
-                   gpu_mb=_gpu_mb())
+                   **gpu_memory())
             continue
         actor.fault_point("commit", b)
         t1 = time.monotonic()
@@ -336,15 +340,20 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
         tracer.flush()
         done += 1
         hb.set(n, phase=Phase.IDLE, batch=-1, done=done, busy=hb.busy(n, time.monotonic()), work_t0=0,
-               gpu_mb=_gpu_mb())
+               **gpu_memory())
 
 
-def _gpu_mb() -> float:
+def gpu_memory() -> dict[str, float]:
+    """This process's CUDA memory on its current device, MiB: what the caching allocator
+    holds now (``gpu_mb``), and since the process began, the peaks of what was allocated
+    (``gpu_peak_mb``, what the memory plan predicts) and of what the allocator held
+    (``gpu_reserved_peak_mb``). Zeros where the process has not used CUDA yet."""
     # Only where this process already uses CUDA: initializing it here would cost
     # seconds and device memory in actors that never touch a GPU.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.memory_reserved() / 2**20
-    return 0.0
+    if not torch.cuda.is_initialized():
+        return {"gpu_mb": 0.0, "gpu_peak_mb": 0.0, "gpu_reserved_peak_mb": 0.0}
+    return {"gpu_mb": torch.cuda.memory_reserved() / 2**20, "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20,
+            "gpu_reserved_peak_mb": torch.cuda.max_memory_reserved() / 2**20}
 
 
 class InjectedFault(Exception):
