@@ -17,7 +17,8 @@ Per sequence (of length L, tokens ``tok``, loss mask ``m``):
     position ``a+k-1`` (its logits made from the last-layer state that the features
     then carry after the drafter's layers, through the same frozen head).
 
-All sequences of a batch go through the drafter at once, right-padded per sequence:
+All sequences given go through the drafter at once (training gives it a batch's rows a
+micro-batch at a time: ``train.drafter_step``), right-padded per sequence:
 context ``[R, Lmax, H]`` and noise ``[R, Nmax*B, H]`` for the R sequences that have
 anchors, so each layer makes one attention call. A padded block (a row with fewer than
 ``Nmax`` anchors) sees only itself and is left out of the loss and the stats. Padded

@@ -31,7 +31,8 @@ Three parts, all plain arithmetic on floats (no torch, nothing measured here):
      the hidden state still costs ``2*hidden*vocab`` per block token, so 3x forward over-counts it by a third
      of its share; that is within the approximation.
    * The drafter attends to the context (``ctx``) plus its own block, for ``anchors*block_size`` block tokens
-     per sequence.
+     per sequence. It trains a batch in micro-batches (``train.drafter_step``), which splits the work without
+     changing it; with ``checkpoint_layers`` its layers run their forward twice (4x forward instead of 3x).
    * ``qwen3.6-27b`` is Qwen3.6-27B-shaped: dense layers of this shape. Its hybrid (linear + full) attention
      is ignored, every layer being counted as full attention, which over-estimates its attention cost.
    * Stage time is FLOPs divided by a sustained rate (``tflops``); memory-bound kernels are not modelled.
@@ -209,6 +210,7 @@ class Workload:
     drafter_layers: int = 5
     feature_bytes: int = 2         # bf16 features
     grad_bytes: int = 4            # fp32 gradient sums and master weights
+    checkpoint_layers: bool = False  # train.checkpoint_layers: the drafter's layers recomputed in the backward
 
 
 def _mean_context(w: Workload) -> float:
@@ -230,13 +232,15 @@ def drafter_params(shape: ModelShape, w: Workload) -> int:
 
 
 def drafter_flops_per_batch(shape: ModelShape, w: Workload) -> float:
-    """Forward+backward FLOPs of the drafter over one batch, taken as 3x forward."""
+    """Forward+backward FLOPs of the drafter over one batch, taken as 3x forward (its
+    layers 4x with ``checkpoint_layers``)."""
     block_tokens = w.sequences_per_batch * w.anchors * w.block_size
     layers = 2 * w.drafter_layers * shape.layer_params() * block_tokens
     lm_head = 2 * shape.hidden * shape.vocab * block_tokens
     fc = 2 * w.feature_layers * shape.hidden * shape.hidden * w.token_budget   # runs on every target token
     attention = 4 * w.drafter_layers * shape.heads * shape.head_dim * (_mean_context(w) + w.block_size) * block_tokens
-    return 3.0 * (layers + lm_head + fc + attention)
+    recompute = layers + attention if w.checkpoint_layers else 0.0
+    return 3.0 * (layers + lm_head + fc + attention) + recompute
 
 
 def bytes_per_batch(shape: ModelShape, w: Workload) -> dict[str, int]:

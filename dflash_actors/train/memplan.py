@@ -32,8 +32,6 @@ before the host. What does not fit anywhere becomes one line naming the key to c
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -254,6 +252,12 @@ class _Traces:
                 rows=rows, length=length, layer_ids=self.inp.layer_ids, teacher=self.teacher)
         return self.done[key]
 
+    def target_numel(self) -> int:
+        """The target's parameters (each counted once: tied embeddings too)."""
+        if "numel" not in self.done:
+            self.done["numel"] = memtrace.target_numel(self.inp.target_config)
+        return self.done["numel"]
+
     def optimizer(self) -> memtrace.StepTrace:
         if "optimizer" not in self.done:
             cfg = self.inp.cfg
@@ -314,13 +318,14 @@ def fixed_parts(inp: Inputs, tr: _Traces, optimizer: str, ring: str) -> list[tup
         add(inp.drafters[0], "supervisor", "cross-node gradient chain buffer (fp32)", 4 * P,
             "runtime.collective_backend")
 
-    numel = 0 if tr.simulate else _target_numel(inp)
+    numel = 0 if tr.simulate else tr.target_numel()
     weights = numel * _dtype_bytes(cfg, inp.targets[0])     # as the job shares them: in the first target's dtype
     gang = top.target_tp
     for i, dev in enumerate(inp.targets):
         name = f"target.{i // gang}" + (f" rank {i % gang}" if gang > 1 else "")
         if tr.simulate:
-            add(dev, name, "simulated features", top_tokens(cfg) * width * _dtype_bytes(cfg, dev), "runtime.simulate")
+            add(dev, name, "simulated features", cfg.batching.token_budget * width * _dtype_bytes(cfg, dev),
+                "runtime.simulate")
             continue
         shared_in_place = dev == "cpu" and _shares(cfg, weights)
         if not shared_in_place:
@@ -341,7 +346,7 @@ def fixed_parts(inp: Inputs, tr: _Traces, optimizer: str, ring: str) -> list[tup
         add(dev, name, "target's embeddings and head (frozen)", head * _dtype_bytes(cfg, dev), "target.dtype")
         if ring != dev:
             add(dev, name, "the batch's features, copied from the ring",
-                top_tokens(cfg) * width * _dtype_bytes(cfg, inp.targets[0]), "batching.token_budget")
+                cfg.batching.token_budget * width * _dtype_bytes(cfg, inp.targets[0]), "batching.token_budget")
 
     add(optimizer, "optimizer.0", "weights (fp32)", 4 * P, "runtime.optimizer_device")
     add(optimizer, "optimizer.0", "its step: gradient sum, AdamW moments and temporaries (traced)",
@@ -373,10 +378,6 @@ def fixed_parts(inp: Inputs, tr: _Traces, optimizer: str, ring: str) -> list[tup
     return out
 
 
-def top_tokens(cfg) -> int:
-    return cfg.batching.token_budget
-
-
 def _shares(cfg, weights: int) -> bool:
     """Whether the job will put the target's weights in shared host memory (its own rule)."""
     from ..models import shared_weights
@@ -386,18 +387,6 @@ def _shares(cfg, weights: int) -> bool:
     except ValueError:
         return cfg.target.share_weights == "on"
     return share
-
-
-@functools.lru_cache(maxsize=8)
-def _numel_of(config_json: str) -> int:
-    from transformers import AutoConfig
-    d = json.loads(config_json)
-    return memtrace.target_numel(AutoConfig.for_model(d.pop("model_type"), **d))
-
-
-def _target_numel(inp: Inputs) -> int:
-    """The target's parameter count (each counted once: tied embeddings too)."""
-    return _numel_of(inp.target_config.to_json_string())
 
 
 def _group(parts: list[tuple[str, Part]], have: dict) -> tuple[DevicePlan, ...]:

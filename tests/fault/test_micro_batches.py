@@ -2,16 +2,13 @@
 kill -9 and a stop-and-resume: the pipeline still equals the reference bit for bit, and
 the micro-batches did run (the whole-batch arithmetic differs at float rounding)."""
 
-import os
-import signal
-import threading
 
 import pytest
 
 import launch
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
-from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
+from tests.support.pipeline import assert_same_weights, final_weights, losses, run_until_stopped, small_config
 
 # Default config: block 8, 32 anchors a row (256 block tokens), rows of up to ~190 tokens:
 # two rows a micro-batch, about eight of them a batch (tests/unit/test_drafter_step.py
@@ -25,19 +22,7 @@ def test_micro_batches_survive_a_kill_and_a_resume_bit_for_bit(cache_dir, tmp_pa
     kill = ("runtime.faults", [{"actor": "drafter.1", "at_batch": 5, "kind": "sigkill"}])
     cfg = small_config(cache_dir, run_dir, "1-2", *LEN, *MICRO, kill)
     job = Job(cfg, progress=False)
-    over = threading.Event()
-
-    def stop():
-        while int(job.shared.step_stats[:, -1].sum()) < 4:
-            if over.wait(0.02):
-                return      # the job ended first: a SIGTERM now would hit pytest itself
-        os.kill(os.getpid(), signal.SIGTERM)      # the supervisor's handler: checkpoint, then stop
-
-    threading.Thread(target=stop, daemon=True).start()
-    try:
-        first = job.run()
-    finally:
-        over.set()
+    first = run_until_stopped(job, 4)
     assert first.exit_code == 130, first.reason
     assert first.summary["restarts_by_actor"] == {"drafter.1": 1}
     assert 4 <= first.summary["step"] < job.schedule.total_steps

@@ -4,17 +4,14 @@ state; only the gradient summation order changes (with 2 batches per drafter, 2-
 (g0 + g2) + (g1 + g3) where one drafter sums ((g0 + g1) + g2) + g3). Changing only the
 targets (1-2) changes nothing at all."""
 
-import os
 import shutil
-import signal
-import threading
 
 import pytest
 
 import launch
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
-from tests.support.pipeline import final_weights, small_config
+from tests.support.pipeline import final_weights, run_until_stopped, small_config
 
 LEN = ("train.epochs=6", "train.grad_accum=2", "train.checkpoint_every=2")
 
@@ -26,20 +23,7 @@ def stopped(cache_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("topo") / "run"
     cfg = small_config(cache_dir, run_dir, "2-2", *LEN)
     job = Job(cfg, progress=False)
-
-    over = threading.Event()
-
-    def stop():
-        while int(job.shared.step_stats[:, -1].sum()) < 4:
-            if over.wait(0.02):
-                return      # the job ended first: a SIGTERM now would hit pytest itself
-        os.kill(os.getpid(), signal.SIGTERM)      # the supervisor's handler: checkpoint, then stop
-
-    threading.Thread(target=stop, daemon=True).start()
-    try:
-        result = job.run()
-    finally:
-        over.set()
+    result = run_until_stopped(job, 4)
     assert result.exit_code == 130, result.reason
     assert 4 <= result.summary["step"] < job.schedule.total_steps
     return cfg, run_dir

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import threading
 from pathlib import Path
 
 import torch
@@ -46,3 +49,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_until_stopped(job, steps: int):
+    """``job.run()`` in this process, stopped by SIGTERM (the supervisor's handler:
+    checkpoint, then stop) once ``steps`` optimizer steps are done; its result."""
+    over = threading.Event()
+
+    def stop():
+        while int(job.shared.step_stats[:, -1].sum()) < steps:
+            if over.wait(0.02):
+                return      # the job ended first: a SIGTERM now would hit pytest itself
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+    try:
+        return job.run()
+    finally:
+        over.set()

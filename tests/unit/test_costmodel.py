@@ -1,6 +1,7 @@
 """The cost model against numbers worked out by hand in the comments, not by calling it twice."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -144,6 +145,8 @@ def test_flops_on_a_tiny_shape():
     # block tokens Q = 2*1*2 = 4. forward: layers 2*1*144*4 = 1152, LM head 2*4*10*4 = 320,
     # fc 2*1*4*4*8 = 256, attention 4*1*4*(2+2)*4 = 256 -> 1984; x3 = 5952
     assert drafter_flops_per_batch(TINY, TINY_W) == 5952
+    # checkpointed layers run their forward again: + layers 1152 + attention 256
+    assert drafter_flops_per_batch(TINY, replace(TINY_W, checkpoint_layers=True)) == 5952 + 1408
     # at 1e-9 TFLOP/s = 1,000 FLOP/s
     assert simulated_costs(TINY, TINY_W, 1e-9) == (approx(2.560), approx(5.952))
 

@@ -714,3 +714,37 @@ def test_supervised_tokens_are_those_under_the_loss_mask(tmp_path):
     assert TokenDataset(path, progress=False).supervised_tokens().tolist() == [3, 5, 7, 8, 9, 14, 16]
     no_mask = write_token_dataset(tmp_path / "n", offsets, flat, None)
     assert TokenDataset(no_mask, progress=False).supervised_tokens().tolist() == sorted(set(flat.tolist()))
+
+
+def test_bf16_features_reach_fc_without_an_fp32_copy(tiny):
+    """Under bf16 autocast the feature rows go into ``fc`` as they are (autocast casts
+    there): no fp32 copy of ``[T, k*H]`` is ever made. Without autocast they are cast
+    to the weights' dtype, once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg, target = tiny
+    d = build_drafter(cfg, target)
+    batch = packed([seq(40, 1), seq(30, 2)])
+    feats = target.features(batch).bfloat16()
+    anchors = L.batch_anchors(batch, 8, 0, 0, 0)
+
+    class Copies(TorchDispatchMode):
+        """Counts fp32 copies made of the rows gathered from ``feats``."""
+
+        def __init__(self):
+            super().__init__()
+            self.rows, self.fp32 = set(), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.index.Tensor and args[0] is feats:
+                self.rows.add(out.untyped_storage().data_ptr())
+            elif func is torch.ops.aten._to_copy.default and out.dtype == torch.float32 \
+                    and args[0].untyped_storage().data_ptr() in self.rows:
+                self.fp32 += 1
+            return out
+    for compute, want in (("bfloat16", 0), ("float32", 1)):
+        copies = Copies()
+        with copies:
+            L.dflash_loss(d, target, feats, batch, anchors, 4.0, compute_dtype=compute)
+        assert copies.fp32 == want, compute
