@@ -32,8 +32,14 @@ before the host. What does not fit anywhere becomes one line naming the key to c
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -41,6 +47,7 @@ import psutil
 import torch
 
 from ..data.batching import ring_fields
+from ..models import loss as L
 from ..models.target import resolve_dtype
 from ..runtime.channels import RingSpec
 from . import memtrace
@@ -228,7 +235,10 @@ class Inputs:
 
 
 class _Traces:
-    """``memtrace`` results of one plan, each shape traced once."""
+    """``memtrace`` results of one plan, each shape traced once, and kept in
+    ``data.cache_dir`` (keyed by the target's config, the trace's arguments, torch's and
+    transformers' versions and the traced code's own text), so that a run planned again
+    (a resume, the next demo, a test suite's hundred jobs) reads them instead."""
 
     def __init__(self, inp: Inputs):
         self.inp = inp
@@ -236,46 +246,76 @@ class _Traces:
         self.B = cfg.drafter.block_size
         self.teacher = cfg.train.loss == "distill"
         self.simulate = cfg.runtime.simulate.enabled
-        self.done: dict[tuple, memtrace.StepTrace] = {}
+        self.cache = Path(cfg.data.cache_dir) / "memtrace"
+        self.done: dict[str, object] = {}
+
+    def _cached(self, name: str, **kwargs):
+        """``memtrace``'s function ``name`` of the target's config and ``kwargs``."""
+        key = json.dumps([name, {k: str(v) for k, v in sorted(kwargs.items())}])
+        if key in self.done:
+            return self.done[key]
+        digest = hashlib.sha256("\0".join((_code_version(), self.inp.target_config.to_json_string(), key))
+                                .encode()).hexdigest()[:24]
+        path = self.cache / f"{digest}.json"
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError):
+            out = getattr(memtrace, name)(self.inp.target_config, **kwargs)
+            value = dataclasses.asdict(out) if isinstance(out, memtrace.StepTrace) else out
+            try:
+                self.cache.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(value))
+                tmp.replace(path)
+            except OSError:
+                pass        # a read-only cache: the plan is only traced again next time
+        self.done[key] = memtrace.StepTrace(**value) if isinstance(value, dict) else value
+        return self.done[key]
 
     def step(self, device_type: str, rows: int, ctx: int, anchors: int, ckpt: bool) -> memtrace.StepTrace:
-        key = ("step", device_type, rows, ctx, anchors, ckpt)
-        if key not in self.done:
-            self.done[key] = self._step(device_type, rows, ctx, anchors, ckpt)
-        return self.done[key]
-
-    def forward(self, device_type: str, rows: int, length: int) -> memtrace.StepTrace:
-        key = ("forward", device_type, rows, length)
-        if key not in self.done:
-            self.done[key] = memtrace.trace_target_forward(
-                self.inp.target_config, dtype=resolve_dtype(self.inp.cfg.target.dtype, torch.device(device_type)),
-                rows=rows, length=length, layer_ids=self.inp.layer_ids, teacher=self.teacher)
-        return self.done[key]
-
-    def target_numel(self) -> int:
-        """The target's parameters (each counted once: tied embeddings too)."""
-        if "numel" not in self.done:
-            self.done["numel"] = memtrace.target_numel(self.inp.target_config)
-        return self.done["numel"]
-
-    def optimizer(self) -> memtrace.StepTrace:
-        if "optimizer" not in self.done:
-            cfg = self.inp.cfg
-            self.done["optimizer"] = memtrace.trace_optimizer_step(
-                self.inp.target_config, layers=cfg.drafter.num_layers, block_size=self.B,
-                feature_layers=len(self.inp.layer_ids), drafters=cfg.topology.num_drafters)
-        return self.done["optimizer"]
-
-    def _step(self, device_type: str, rows: int, ctx: int, anchors: int, ckpt: bool) -> memtrace.StepTrace:
         cfg, inp = self.inp.cfg, self.inp
         cuda = device_type == "cuda"
         compute = cfg.train.compute_dtype
-        bf16 = (cuda and compute != "float32") or (not cuda and compute == "bfloat16")
-        return memtrace.trace_drafter_step(
-            inp.target_config, layers=cfg.drafter.num_layers, block_size=self.B, feature_layers=len(inp.layer_ids),
-            head_dtype=resolve_dtype(cfg.target.dtype, torch.device(device_type)), autocast_bf16=bf16, cuda=cuda,
+        return self._cached(
+            "trace_drafter_step", layers=cfg.drafter.num_layers, block_size=self.B,
+            feature_layers=len(inp.layer_ids), head_dtype=resolve_dtype(cfg.target.dtype, torch.device(device_type)),
+            autocast_bf16=(cuda and compute != "float32") or (not cuda and compute == "bfloat16"), cuda=cuda,
             rows=rows, ctx_len=ctx, anchors=anchors, checkpoint_layers=ckpt,
             head_loss="checkpointed" if cfg.train.head_loss == "checkpointed" else "fused", loss=cfg.train.loss)
+
+    def forward(self, device_type: str, rows: int, length: int) -> memtrace.StepTrace:
+        return self._cached("trace_target_forward",
+                            dtype=resolve_dtype(self.inp.cfg.target.dtype, torch.device(device_type)), rows=rows,
+                            length=length, layer_ids=self.inp.layer_ids, teacher=self.teacher)
+
+    def target_numel(self) -> int:
+        """The target's parameters (each counted once: tied embeddings too)."""
+        return self._cached("target_numel")
+
+    def drafter_numel(self) -> int:
+        cfg = self.inp.cfg
+        return self._cached("drafter_numel", layers=cfg.drafter.num_layers, block_size=self.B,
+                            feature_layers=len(self.inp.layer_ids))
+
+    def optimizer(self) -> memtrace.StepTrace:
+        cfg = self.inp.cfg
+        return self._cached("trace_optimizer_step", layers=cfg.drafter.num_layers, block_size=self.B,
+                            feature_layers=len(self.inp.layer_ids), drafters=cfg.topology.num_drafters)
+
+
+@functools.cache
+def _code_version() -> str:
+    """What a trace's result depends on besides its arguments: the libraries' versions
+    and the text of the code it runs."""
+    import transformers
+
+    from ..data import batching
+    from ..models import drafter, target
+    from . import optim
+    parts = [torch.__version__, transformers.__version__]
+    for module in (memtrace, L, drafter, target, batching, optim):
+        parts.append(hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest())
+    return ":".join(parts)
 
 
 def _kind(device: str) -> str:
@@ -477,8 +517,7 @@ def _overflow(devs: tuple[DevicePlan, ...]) -> int:
 def make_plan(inp: Inputs) -> MemoryPlan:
     """The plan for ``inp`` (module docstring)."""
     cfg, tr = inp.cfg, _Traces(inp)
-    inp.drafter_params = memtrace.drafter_numel(inp.target_config, cfg.drafter.num_layers, cfg.drafter.block_size,
-                                                len(inp.layer_ids))
+    inp.drafter_params = tr.drafter_numel()
     want = cfg.runtime.optimizer_device
     if want != "auto":
         opt_choices = [want]

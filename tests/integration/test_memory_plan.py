@@ -5,24 +5,10 @@ stopping a run before anything starts."""
 import json
 
 import pytest
-from transformers import Qwen3Config
-from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 import launch
+from benchmarks.bench_memplan import TARGET_CONFIGS as TARGETS
 from tests.support.pipeline import ROOT, SMALL
-
-TARGETS = {
-    # Qwen3-8B's published shape.
-    "qwen3-8b.yaml": lambda: Qwen3Config(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
-                                         num_key_value_heads=8, head_dim=128, num_hidden_layers=36,
-                                         vocab_size=151936, max_position_embeddings=40960,
-                                         tie_word_embeddings=False),
-    # Qwen3.6-27B-shaped: the hybrid (linear and full attention) layers of transformers' Qwen3.5.
-    "qwen3.6-27b.yaml": lambda: Qwen3_5TextConfig(hidden_size=5120, intermediate_size=17408,
-                                                  num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                                                  num_hidden_layers=64, vocab_size=248320,
-                                                  max_position_embeddings=262144),
-}
 
 
 def plan(template, tmp_path, capsys, *sets, gpu_gib=80):

@@ -151,3 +151,19 @@ def test_the_json_lists_every_device_and_process():
     procs = {(p["process"], p["device"]) for p in j["processes"]}
     assert {("target.0", "cuda:0"), ("drafter.0", "cuda:1"), ("supervisor", "cpu")} <= procs
     assert np.isclose(sum(p["gib"] for p in j["processes"]), sum(d["need_gib"] for d in j["memory_plan"]), atol=0.05)
+
+
+def test_traces_are_kept_in_the_cache_and_keyed_by_what_they_depend_on(tmp_path, monkeypatch):
+    gpus = {"cuda:0": 8 * memplan.GIB, "cuda:1": 8 * memplan.GIB}
+    first = plan_with(gpus, **{"data.cache_dir": str(tmp_path)})
+    assert list((tmp_path / "memtrace").glob("*.json"))
+
+    def untraced(*args, **kwargs):
+        raise AssertionError("traced again")
+    for name in ("trace_drafter_step", "trace_target_forward", "trace_optimizer_step", "target_numel",
+                 "drafter_numel"):
+        monkeypatch.setattr(memtrace, name, untraced)
+    again = plan_with(gpus, **{"data.cache_dir": str(tmp_path)})
+    assert again.devices == first.devices
+    with pytest.raises(AssertionError, match="traced again"):       # another drafter: not in the cache
+        plan_with(gpus, **{"data.cache_dir": str(tmp_path), "drafter.num_layers": 2})
