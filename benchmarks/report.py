@@ -102,6 +102,18 @@ def _others(benches: dict) -> list[str]:
         rows.append(["objective", "drafter forward+backward on CPU, per-sequence -> batched: " + "; ".join(
             f"{k} {o[k]['ms_median']['per_sequence']} -> {o[k]['ms_median']['batched']} ms ({o[k]['speedup']}x, "
             f"loss within {o[k]['loss_rel_diff_max']:g})" for k in ("default", "hidden_256"))])
+    mp = benches.get("memplan", {})
+    if "error" not in mp and mp:
+        d8 = mp["drafter_8b"]
+        def fullest(r):
+            return max(v for k, v in r["need_gib"].items() if k != "cpu")
+        rows.append(["memplan", "; ".join(
+            f"{r['template'].removesuffix('.yaml')} on {r['gpu_gib']} GB: "
+            + (f"micro-batches of {r['drafter_block_tokens']}, fullest GPU {fullest(r):.1f} GiB" if r["exit"] == 0
+               else "does not fit") for r in mp["plans"])
+            + f"; 8B drafter keeps {d8['plain']['saved_mib_per_block_token']} MiB per block token "
+            f"({d8['checkpointed']['saved_mib_per_block_token']} checkpointed), the old whole batch "
+            f"{d8['plain']['whole_batch_saved_gib']} GiB"])
     lr = benches.get("learning", {})
     if "error" not in lr and lr:
         rows.append(["learning", f"simulated tau {lr['simulated_tau_untrained']} -> {lr['simulated_tau_trained']}, "

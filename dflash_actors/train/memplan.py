@@ -463,32 +463,54 @@ def _steps_fit(tr: _Traces, inp: Inputs, room: dict, shape: tuple[int, int, int]
 
 def _choose_step(tr: _Traces, inp: Inputs, room: dict) -> Optional[tuple[Optional[int], bool]]:
     """``(block tokens or None for the whole batch, checkpointing)``, best first (module
-    docstring), or None when nothing fits."""
+    docstring), or None when nothing fits.
+
+    A step's peak grows about linearly with its block tokens, and a trace costs time in
+    proportion to them (the head's chunks), so a line through two small micro-batches
+    says which sizes are worth tracing: the whole batch only when it might fit, then the
+    largest size the line allows, confirmed by its trace and the next size's."""
     cfg, B, s = inp.cfg, tr.B, inp.shape
     fixed_tokens = cfg.train.drafter_block_tokens
     ckpts = {"on": [True], "off": [False], "auto": [False, True]}[cfg.train.checkpoint_layers]
-    whole = (s.rows, s.length, s.anchors)
+    whole_tokens = s.blocks * B
     row_tokens = min(s.anchors, max(1, s.longest - 1)) * B
+    left = [r / inp.drafters.count(d) for d, r in room.items() if r is not None]
+    budget = min(left) if left else math.inf
+
+    def fits(tokens, ckpt):
+        shape = (s.rows, s.length, s.anchors) if tokens is None else micro_batch(s, tokens, B)
+        return _steps_fit(tr, inp, room, shape, ckpt)
+
+    def line(ckpt):
+        a, b = row_tokens, 2 * row_tokens
+        if b >= whole_tokens or budget == math.inf or tr.simulate:
+            return lambda tokens: 0.0       # small enough to trace whatever it needs
+        kind = _kind(inp.drafters[0])
+        pa, pb = (tr.step(kind, *micro_batch(s, t, B), ckpt).peak for t in (a, b))
+        return lambda tokens: pa + (pb - pa) * (tokens - a) / (b - a)
+
     for ckpt in ckpts:
         if fixed_tokens is not None:
-            if _steps_fit(tr, inp, room, micro_batch(s, fixed_tokens, B), ckpt):
+            if fits(fixed_tokens, ckpt):
                 return fixed_tokens, ckpt
             continue
-        if _steps_fit(tr, inp, room, whole, ckpt):
+        predict = line(ckpt)
+        if predict(whole_tokens) <= 1.2 * budget and fits(None, ckpt):
             return None, ckpt
         # Powers of two times the block, below the whole batch; without checkpointing no
         # smaller than one sequence's blocks (the second lever comes first below that).
         floor = row_tokens if (not ckpt and len(ckpts) == 2) else B
-        ladder = [B << k for k in range(40) if floor <= (B << k) < s.blocks * B]
-        lo, hi, best = 0, len(ladder) - 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if _steps_fit(tr, inp, room, micro_batch(s, ladder[mid], B), ckpt):
-                best, lo = ladder[mid], mid + 1
-            else:
-                hi = mid - 1
-        if best is not None:
-            return best, ckpt
+        ladder = [B << k for k in range(40) if floor <= (B << k) < whole_tokens]
+        if not ladder:
+            continue
+        i = max([k for k, g in enumerate(ladder) if predict(g) <= budget], default=0)
+        if fits(ladder[i], ckpt):
+            while i + 1 < len(ladder) and fits(ladder[i + 1], ckpt):
+                i += 1
+            return ladder[i], ckpt
+        for g in reversed(ladder[:i]):
+            if fits(g, ckpt):
+                return g, ckpt
     return None
 
 

@@ -14,7 +14,7 @@ from tests.support.pipeline import assert_same_weights, final_weights, losses, r
 # two rows a micro-batch, about eight of them a batch (tests/unit/test_drafter_step.py
 # cuts rows apart too).
 MICRO = ("train.drafter_block_tokens=512", "train.checkpoint_layers=on")
-LEN = ("train.epochs=4", "train.grad_accum=2", "train.checkpoint_every=2")
+LEN = ("train.epochs=3", "train.grad_accum=2", "train.checkpoint_every=2")
 
 
 def test_micro_batches_survive_a_kill_and_a_resume_bit_for_bit(cache_dir, tmp_path):
