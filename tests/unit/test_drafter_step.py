@@ -44,11 +44,13 @@ def whole_and_split(cfg, target, batch, feats, budget, checkpoint):
     return want, [p.grad for p in d.parameters()], whole, split
 
 
-@pytest.mark.parametrize("options", [
-    {}, {"train.position_weight": "dpace"}, {"train.loss": "distill"}, {"train.head_loss": "checkpointed"},
-    {"train.head_vocab": "sampled", "train.head_negatives": 16},
+# Budgets of 3 blocks (rows cut into runs) and 25 (several rows at once), alternating.
+@pytest.mark.parametrize("options,budget,checkpoint", [
+    ({}, 24, False), ({}, 200, True), ({"train.position_weight": "dpace"}, 24, True),
+    ({"train.position_weight": "dpace"}, 200, False), ({"train.loss": "distill"}, 24, False),
+    ({"train.head_loss": "checkpointed"}, 200, True), ({"train.head_vocab": "sampled", "train.head_negatives": 16},
+                                                      24, True),
 ])
-@pytest.mark.parametrize("budget,checkpoint", [(24, False), (200, True)])
 def test_micro_batches_add_up_to_the_whole_batch(setup, tiny_cfg, options, budget, checkpoint):
     target, batch, feats = setup
     cfg = tiny_cfg.updated(options)
