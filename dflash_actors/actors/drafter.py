@@ -6,7 +6,8 @@ Contract:
             ``runtime.feature_transport``) and weight version ``s = Schedule.step_of(b)``
             from the shared ``WeightStore``
   produces  batch b's stats row, and b's gradient added into this drafter's running
-            sum for step s. Where that sum lives is ``runtime.grad_durability``:
+            sum for step s (made in micro-batches of ``train.drafter_block_tokens``,
+            ``train.drafter_step``: the memory plan sizes them to the device). Where that sum lives is ``runtime.grad_durability``:
               batch  in shared memory (``GradAccumulators``, header flip = commit
                      point), loaded to the device and stored back for every batch
               step   on the device, in ``p.grad``; stored into ``GradAccumulators``
