@@ -7,7 +7,8 @@ Contract:
             from the shared ``WeightStore``
   produces  batch b's stats row, and b's gradient added into this drafter's running
             sum for step s (made in micro-batches of ``train.drafter_block_tokens``,
-            ``train.drafter_step``: the memory plan sizes them to the device). Where that sum lives is ``runtime.grad_durability``:
+            ``train.drafter_step``: the memory plan sizes them to the device).
+            Where that sum lives is ``runtime.grad_durability``:
               batch  in shared memory (``GradAccumulators``, header flip = commit
                      point), loaded to the device and stored back for every batch
               step   on the device, in ``p.grad``; stored into ``GradAccumulators``
