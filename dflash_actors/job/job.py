@@ -60,8 +60,9 @@ from ..observe.monitor import Monitor, accounting
 from ..observe.status import JobStatus
 from ..runtime.channels import Ring, dtype_name
 from ..runtime.events import EventLog
+from ..runtime.faults import strike_self
 from ..runtime.forking import ForkServerStarter
-from ..runtime.supervisor import JobResult, JobState, Supervisor, strike_self
+from ..runtime.supervisor import JobResult, JobState, Supervisor
 from ..train import feature_cache
 from ..train.checkpoint import (
     MANIFEST,

@@ -29,7 +29,7 @@ from ..data.dataset import TokenDataset, open_dataset
 from ..data.synthetic import train_path
 from ..models import tensor_parallel
 from ..models.head import TargetInfo, target_info
-from ..runtime.supervisor import check_faults
+from ..runtime.faults import check_faults
 from ..train import feature_cache, simulate
 from ..train.memplan import BatchShape, MemoryPlan, plan_memory
 from ..train.schedule import Schedule

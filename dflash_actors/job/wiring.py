@@ -54,7 +54,7 @@ from ..data.batching import ring_fields
 from ..models.shared_weights import SharedWeights
 from ..runtime.channels import RingSpec
 from ..runtime.dispatch import Stage, in_order
-from ..runtime.supervisor import SUPERVISOR_POINTS as RUNTIME_POINTS
+from ..runtime.faults import SUPERVISOR_POINTS as RUNTIME_POINTS
 from ..train.feature_cache import FeatureCache
 from ..train.metrics import batch_table, step_table
 from ..train.params import GradAccumulators, ParamLayout, WeightStore

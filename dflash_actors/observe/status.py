@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..runtime.supervisor import STATUS_FILE
+from ..runtime.status import STATUS_FILE
 
 
 class NoStatus(ValueError):

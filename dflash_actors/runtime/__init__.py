@@ -17,5 +17,10 @@ through stages of actor processes, with the data in preallocated shared-memory r
     files       write-then-rename: how every shared file and directory is replaced
     trace       where each actor spent its time: spans merged into trace.json
     policy      what a death means: restart, give up, or raise to the caller
-    supervisor  spawn, watch, restart or stop, status.json
+    children    the supervisor's record of each actor (its process, pipe, a gang's ranks)
+    health      hung (killed) and stuck (shown) actors, from heartbeats and start-up progress
+    status      the runtime's block of status.json
+    faults      runtime.faults checked against the actors; faults aimed at the supervisor
+    wakeup      what wakes the supervisor's loop: SIGINT/SIGTERM and other threads
+    supervisor  the loop and its decisions: spawn, watch, restart, give up or stop
 """

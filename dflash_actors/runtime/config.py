@@ -83,7 +83,7 @@ class FaultConfig:
     until killed), ``slow`` (the work takes 10x as long, beating), ``segfault``, and
     ``nan`` (the actor makes its output non-finite, where it has a numeric output).
     ``actor: supervisor`` strikes the supervisor's own process with ``sigkill`` at a point
-    of its own (``runtime.supervisor.SUPERVISOR_POINTS``; the training job's: ``gang``,
+    of its own (``runtime.faults.SUPERVISOR_POINTS``; the training job's: ``gang``,
     ``share_weights``) once ``at_batch`` batches are committed, once per run directory:
     the job is then resumed, as after any kill of its supervisor."""
 

@@ -216,6 +216,10 @@ def exit_unknown(proc) -> bool:
     return bool(getattr(getattr(proc, "_popen", None), "exit_unknown", False))
 
 
+FIRST_FORK_FLOOR_S = 30.0
+"""The least a new fork server is given for its first fork (its imports come first)."""
+
+
 class ForkServerStarter:
     """A private fork server, and ``Process`` objects that fork from it."""
 
@@ -239,6 +243,14 @@ class ForkServerStarter:
 
     def timeout_s(self) -> float:
         return self.fork_timeout_s if self.server.answered else self.first_fork_timeout_s
+
+    def set_timeouts(self, start_timeout_s: float, fork_timeout_s: float) -> None:
+        """An actor's ``runtime`` timeouts, for this server's forks. A new server imports
+        torch and the preloads before its first fork: seconds, more on a loaded machine,
+        and none of it an actor's start-up, so a short ``start_timeout_s`` must not call
+        it hung (``FIRST_FORK_FLOOR_S``)."""
+        self.first_fork_timeout_s = max(start_timeout_s, FIRST_FORK_FLOOR_S)
+        self.fork_timeout_s = fork_timeout_s
 
     def start(self, modules: list[str], supervisor_pid: int) -> int:
         """Start the server with ``forker`` and then ``modules`` imported before it serves

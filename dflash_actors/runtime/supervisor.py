@@ -17,10 +17,8 @@ loop: the job fails with one line naming the actor, its exit cause and its last
 traceback), or RAISE (an ``actor.Escalate`` error, or a ``ProtocolError``, a bug: the
 job stops and the caller gets the exception; the training job rolls back after the
 former and fails after the latter). An actor counts as dead when its process
-exits (sentinel), and as hung, then killed, when its heartbeat is older than
-``hang_timeout_s`` (before Ready: when no rank has shown start-up progress, a new phase
-or a count in one, for ``start_timeout_s``: a big shard on slow storage is slow, not hung,
-as long as its load keeps counting).
+exits (sentinel), and as hung, then killed, by ``health``'s rules (a silent heartbeat,
+or no start-up progress: a big shard on slow storage is slow, not hung, while it counts).
 
 A gang (``Stage.gang`` k > 1: a tensor-parallel target) is one actor of k processes:
 each rank has its own pipe, sentinel and heartbeat row, every rank gets the same Work
@@ -36,12 +34,10 @@ and charged to the server's own restart intensity, not to the actors'; past it, 
 job goes on with spawn (``_server_lost``).
 
 The loop blocks in ``multiprocessing.connection.wait`` on process sentinels, actor pipes
-and a signal wakeup socket, with a timeout equal to the next deadline (status write or
-hang check). Every decision goes to ``<run_dir>/events.log`` (``events.EventLog``);
-``<run_dir>/status.json`` is rewritten atomically about once a second. With
-``runtime.trace`` the supervisor traces its own message handling and dispatch, and
-merges every actor's spans into ``<run_dir>/trace.json`` when the run ends (``trace``). The supervisor
-must run in the main thread: signal handlers live there, and the children's
+and the ``wakeup`` socket, until the next deadline (status write or hang check). Every
+decision goes to ``<run_dir>/events.log``; ``status.json`` (``status``) is rewritten
+about once a second; with ``runtime.trace`` every span goes to ``trace.json``
+(``trace``). It runs in the main thread: signal handlers live there, and the children's
 parent-death signal fires when the spawning thread exits.
 
 Use::
@@ -57,14 +53,11 @@ The training job's wiring (``dflash_actors.job.wiring``) is the real example.
 
 from __future__ import annotations
 
-import collections
 import enum
 import json
 import os
 import signal
-import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -75,29 +68,26 @@ import psutil
 import torch
 import torch.multiprocessing as tmp
 
-from . import forking
-from .actor import Actor, ActorContext, Heartbeats, gpu_memory
+from . import forking, status
+from .actor import ActorContext, Heartbeats, gpu_memory
 from .boot import Deferred, boot
 from .channels import Ring, RingSpec
-from .config import ConfigError, RuntimeConfig
+from .children import Child, Rank, exit_cause, free_port
+from .config import RuntimeConfig
 from .dispatch import Dispatcher, Stage
 from .events import EventLog
+from .faults import SUPERVISOR_POINTS, check_faults, strike_self
 from .files import cannot_write, write_atomically
+from .health import Health
 from .ledger import Ledger
 from .messages import ActorError, Done, Note, Ready, Starting, Stop
 from .policy import Decision, RestartPolicy
 from .trace import SUPERVISOR_TRACK, Tracer, Window, clear, merge, part_path
+from .wakeup import Wakeup
 
-STATUS_FILE = "status.json"
-"""In the run directory: the runtime's block is ``status()``; a caller's ``on_status``
-adds its own (the training job's schema: ``dflash_actors/observe/status.py``)."""
-STATUS_PERIOD_S = 1.0
+STATUS_PERIOD_S = 1.0   # between status.json writes (``status``)
 TERM_WAIT_S = 2.0       # after SIGTERM, before SIGKILL
-BUSY_WINDOW_S = 30.0    # status.json's busy_pct_30s
 
-
-FIRST_FORK_FLOOR_S = 30.0
-"""The least a new fork server is given for its first fork (its imports come first)."""
 
 
 class JobState(enum.Enum):
@@ -125,107 +115,6 @@ class JobResult:
         return {JobState.DONE: 0, JobState.STOPPED: 130}.get(self.state, 1)
 
 
-@dataclass
-class _Rank:
-    """A gang's rank above 0 (``Stage.gang``): its own process, pipe and heartbeat row."""
-    rank: int
-    number: int
-    """Its heartbeat row, after every actor's."""
-    proc: Optional[object] = None
-    conn: Optional[object] = None
-    ready: bool = False
-    hung: Optional[str] = None
-    error: Optional[ActorError] = None
-
-
-@dataclass
-class _Child:
-    actor_id: str
-    number: int
-    stage: Stage
-    index: int
-    proc: Optional[object] = None
-    conn: Optional[object] = None
-    spawned_at: float = 0.0
-    ready: bool = False
-    ready_at: Optional[float] = None
-    """Unix time of this incarnation's Ready: the monitor's rates count from the last actor's."""
-    hung: Optional[str] = None
-    restarts: int = 0
-    policy: Optional[RestartPolicy] = None
-    last_error: Optional[ActorError] = None
-    """Kept across restarts, for the give-up line; ``error`` is this incarnation's."""
-    error: Optional[ActorError] = None
-    starting: Optional[dict] = None
-    """Until Ready: the newest startup phase (``Starting``), with when it began and
-    when it last said something (monotonic)."""
-    stuck: Optional[str] = None
-    ps: Optional[psutil.Process] = None
-    busy: collections.deque = field(default_factory=collections.deque)
-    """(monotonic, busy seconds) samples of the last ``BUSY_WINDOW_S``."""
-    followers: list = field(default_factory=list)
-    """A gang's ranks 1..k-1 (``_Rank``); the fields above are rank 0's, and ``ready``
-    means every rank is."""
-    rank0_ready: bool = False
-
-
-SUPERVISOR = "supervisor"
-"""The name ``runtime.faults`` gives the supervisor's own process."""
-
-SUPERVISOR_POINTS = ("gang",)
-"""Where a fault can strike the supervisor itself: ``gang``, just after it has spawned a
-gang's ranks, while they form; its caller may add points of its own (the training job:
-``share_weights``). Kind ``sigkill`` only; once per run directory (``strike_self``)."""
-
-
-def check_faults(faults, actors: dict[str, type], supervisor_points: tuple[str, ...] = SUPERVISOR_POINTS) -> None:
-    """``runtime.faults`` against the actors (id -> class) a job will have: ConfigError
-    naming the entry if one names no actor, a point its actor lacks, or a kind it cannot do."""
-    for i, f in enumerate(faults):
-        key, cls = f"runtime.faults[{i}]", actors.get(f.actor)
-        if f.actor == SUPERVISOR:
-            if f.at not in supervisor_points:
-                raise ConfigError(f"{key}.at: the supervisor has fault points {list(supervisor_points)} (got {f.at!r})")
-            if f.kind != "sigkill":
-                raise ConfigError(f"{key}.kind: the supervisor can only be struck with sigkill (got {f.kind!r})")
-            continue
-        if cls is None:
-            raise ConfigError(f"{key}.actor: no actor {f.actor!r} (actors: {', '.join(sorted(actors))}, "
-                              f"{SUPERVISOR})")
-        if f.at not in cls.FAULT_POINTS:
-            raise ConfigError(f"{key}.at: {f.actor} has fault points {list(cls.FAULT_POINTS)} (got {f.at!r})")
-        if f.kind in ("slow", "nan") and f.at != "work":
-            raise ConfigError(f"{key}.at: kind {f.kind!r} applies to a whole work item, so only at 'work' "
-                              f"(got {f.at!r})")
-        if f.kind == "nan" and cls.poison is Actor.poison:
-            raise ConfigError(f"{key}.kind: {f.actor} has no numeric output to make non-finite")
-
-
-def strike_self(faults, where: str, progress: int, run_dir: Path, log: Callable[..., None]) -> None:
-    """SIGKILL this process if a ``runtime.faults`` entry aimed at the supervisor is due at
-    ``where`` (``progress``: batches committed, against its ``at_batch``), logging it
-    first through ``log`` (an ``EventLog.log``). Once per run directory, not per
-    supervisor as an actor's fault: the struck job is resumed on the same config, and
-    its events.log says what already fired."""
-    due = [i for i, f in enumerate(faults) if f.actor == SUPERVISOR and f.at == where and progress >= f.at_batch]
-    if not due:
-        return
-    fired = set()
-    path = Path(run_dir) / "events.log"
-    for line in path.read_text().splitlines() if path.is_file() else ():
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue
-        if e.get("event") == "fault" and e.get("actor") == SUPERVISOR:
-            fired.add(e.get("index"))
-    for i in due:
-        if i not in fired:
-            log("fault", actor=SUPERVISOR, index=i, kind="sigkill", at=where, batch=progress,
-                reason=f"injected by runtime.faults[{i}]")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Supervisor:
     def __init__(self, runtime: RuntimeConfig, stages: list[Stage], rings: list[RingSpec | Ring],
                  n_batches: int, *, meta_cols: int = 0, first_batch: int = 0, num_threads: int = 1,
@@ -250,16 +139,17 @@ class Supervisor:
                                       done=stages[-1].to_state, done_below=first_batch)
         self.num_threads = num_threads
         self.on_status = on_status
-        self.children: list[_Child] = []
+        self.children: list[Child] = []
         for stage in stages:
             for k in range(stage.count):
-                self.children.append(_Child(f"{stage.role}.{k}", len(self.children), stage, k,
+                self.children.append(Child(f"{stage.role}.{k}", len(self.children), stage, k,
                                             policy=RestartPolicy(runtime.max_restarts, runtime.restart_window_s)))
         rows = len(self.children)
         for c in self.children:
-            c.followers = [_Rank(r, rows + r - 1) for r in range(1, c.stage.gang)]
+            c.followers = [Rank(r, rows + r - 1) for r in range(1, c.stage.gang)]
             rows += c.stage.gang - 1
         self.heartbeats = Heartbeats.allocate(rows)
+        self.health = Health(runtime, self.heartbeats, self._log)
         self.work_times = torch.zeros(n_batches, len(stages), dtype=torch.float64).share_memory_()
         """Seconds each stage's ``work`` took on each batch (written by the actor that
         committed it): what the training job's per-step accounting reads."""
@@ -275,11 +165,7 @@ class Supervisor:
         self._own_server = forkserver is None
         self._server = None if self.start_method != "forkserver" else forkserver or forking.ForkServerStarter()
         if self._server is not None:
-            # A new server imports torch and the preloads before its first fork: seconds,
-            # more on a loaded machine, and none of it the actor's start-up, so a short
-            # start_timeout_s must not call it hung.
-            self._server.first_fork_timeout_s = max(runtime.start_timeout_s, FIRST_FORK_FLOOR_S)
-            self._server.fork_timeout_s = runtime.fork_timeout_s
+            self._server.set_timeouts(runtime.start_timeout_s, runtime.fork_timeout_s)
         self._server_policy = RestartPolicy(runtime.max_restarts, runtime.restart_window_s)
         self.forkserver_restarts = 0
         """Times the fork server was lost and replaced (or given up for spawn)."""
@@ -287,6 +173,7 @@ class Supervisor:
         self._stop_signal: Optional[str] = None
         self._failure: Optional[str] = None
         self._events: Optional[EventLog] = None
+        self._wake: Optional[Wakeup] = None
         self._window = Window(first_batch, n_batches, runtime.trace_batches)
         self.tracer = Tracer(None, SUPERVISOR_TRACK)
         self._ps = psutil.Process()
@@ -299,7 +186,7 @@ class Supervisor:
         if self.cfg.trace:
             clear(self.run_dir)
             self.tracer = Tracer(part_path(self.run_dir, "supervisor"), SUPERVISOR_TRACK, self._window)
-        restore = self._install_signals()
+        self._wake = Wakeup(self.request_stop)
         result = None
         try:
             self._log("start", reason="job begins", actors=[c.actor_id for c in self.children],
@@ -317,7 +204,7 @@ class Supervisor:
             self._stop_children(result.reason if result else "supervisor error")
             if self._server is not None and self._own_server:
                 self._server.stop()
-            restore()
+            self._wake.close()
             if result is not None:
                 # After the stop: Done messages read while the actors finished count too.
                 result.committed = list(self.dispatcher.committed)
@@ -341,10 +228,8 @@ class Supervisor:
     def request_failure(self, reason: str) -> None:
         """Stop the job as failed (exit 1), from any thread: what a lost node does."""
         self._failure = self._failure or reason
-        try:
-            self._wake_w.send(b"!")
-        except (AttributeError, OSError):   # not running yet, or already finished
-            pass
+        if self._wake is not None:      # None: not running yet
+            self._wake.poke()
 
     # -- the loop --------------------------------------------------------------
 
@@ -361,13 +246,13 @@ class Supervisor:
             if now >= next_status:
                 self._write_status()
                 next_status = now + STATUS_PERIOD_S
-            self._check_hangs(now)
+            self.health.check_hangs(self.children, now)
             failure = None
-            timeout = max(0.0, min(next_status, self._next_hang_deadline()) - time.monotonic())
+            timeout = max(0.0, min(next_status, self.health.next_deadline(self.children)) - time.monotonic())
             ready = wait(self._waitables(), timeout)
             t_woke = time.monotonic()
-            if self._wake_r in ready:
-                self._drain_wakeup()
+            if self._wake.reader in ready:
+                self._wake.drain()
             # Messages first: a Done or ActorError sent just before death must count.
             for c in self.children:
                 if c.conn is not None and c.conn in ready:
@@ -409,7 +294,7 @@ class Supervisor:
 
     # -- children --------------------------------------------------------------
 
-    def _spawn(self, c: _Child, reason: str) -> None:
+    def _spawn(self, c: Child, reason: str) -> None:
         """Start ``c``: one process, or a gang's every rank (rank 0 first), with a new
         rendezvous: a collective group does not outlive any of its ranks. A fork server
         that fails to fork takes every actor with it (``_server_lost``), ``c`` included."""
@@ -418,9 +303,9 @@ class Supervisor:
         except forking.ForkServerError as e:
             self._server_lost(str(e))
 
-    def _spawn_now(self, c: _Child, reason: str) -> None:
+    def _spawn_now(self, c: Child, reason: str) -> None:
         s = c.stage
-        rendezvous = f"tcp://127.0.0.1:{_free_port()}" if s.gang > 1 else None
+        rendezvous = f"tcp://127.0.0.1:{free_port()}" if s.gang > 1 else None
         c.ready, c.rank0_ready, c.hung, c.error = False, False, None, None
         for f in c.followers:
             f.ready, f.hung, f.error = False, None, None
@@ -441,7 +326,7 @@ class Supervisor:
             strike_self(self.cfg.faults, "gang", len(self.ledger) - self.dispatcher.remaining(), self.run_dir,
                         self._log)
 
-    def _start(self, c: _Child, number: int, rank: int, rendezvous: Optional[str]):
+    def _start(self, c: Child, number: int, rank: int, rendezvous: Optional[str]):
         """One process of ``c`` (``rank`` of its gang, heartbeat row ``number``) and the
         supervisor's end of its pipe."""
         parent_conn, child_conn = self._mp.Pipe(duplex=True)
@@ -510,7 +395,7 @@ class Supervisor:
             except forking.ForkServerError as e:
                 cause = str(e)
 
-    def _bury(self, c: _Child, cause: str) -> None:
+    def _bury(self, c: Child, cause: str) -> None:
         """An actor whose fork server is gone: its every rank killed (the parent-death
         signal is on its way; this does not wait for it), reaped, read, and its batches
         recovered."""
@@ -557,7 +442,7 @@ class Supervisor:
                       not_preloaded=[m for m in modules if m not in self._server.preload],
                       reason="actors fork from the server started at launch, whose imports overlapped the checks")
 
-    def _read(self, c: _Child) -> None:
+    def _read(self, c: Child) -> None:
         while True:
             try:
                 if not c.conn.poll():
@@ -585,7 +470,7 @@ class Supervisor:
             else:
                 raise TypeError(f"{c.actor_id} sent {msg!r}")
 
-    def _gang_ready(self, c: _Child) -> None:
+    def _gang_ready(self, c: Child) -> None:
         """``c`` is ready once every rank of it is: then it gets Work."""
         if c.ready or not c.rank0_ready or not all(f.ready for f in c.followers):
             return
@@ -593,7 +478,7 @@ class Supervisor:
         self.dispatcher.on_ready(c.number)
         self._log("ready", actor=c.actor_id, pid=c.proc.pid, startup_s=round(time.monotonic() - c.spawned_at, 3))
 
-    def _read_follower(self, c: _Child, f: _Rank) -> None:
+    def _read_follower(self, c: Child, f: Rank) -> None:
         """A gang rank above 0 says Ready, what it starts, notes and its error; no Done."""
         while True:
             try:
@@ -619,7 +504,7 @@ class Supervisor:
             else:
                 raise TypeError(f"{c.actor_id} rank {f.rank} sent {msg!r}")
 
-    def _end_gang(self, c: _Child, first: Optional[_Rank]) -> Optional[tuple[str, Optional[ActorError]]]:
+    def _end_gang(self, c: Child, first: Optional[Rank]) -> Optional[tuple[str, Optional[ActorError]]]:
         """After one rank of a gang ended: every other rank killed (its collectives cannot
         go on) and reaped. Returns the cause and error of ``first``, the rank above 0 that
         ended first, when it is the cause: a rank that errs because a peer vanished from
@@ -629,7 +514,7 @@ class Supervisor:
             self._read_follower(c, first)
             first.proc.join()
             if not (c.proc.exitcode is not None and (c.hung or c.proc.exitcode < 0)):
-                blame = f"rank {first.rank} " + _cause(first.proc.exitcode, first.hung, first.error), first.error
+                blame = f"rank {first.rank} " + exit_cause(first.proc.exitcode, first.hung, first.error), first.error
         for p in [c.proc] + [f.proc for f in c.followers]:
             if p is not None and p.exitcode is None:
                 p.kill()
@@ -642,13 +527,13 @@ class Supervisor:
                 f.proc, f.conn = None, None
         return blame
 
-    def _on_exit(self, c: _Child, first: Optional[_Rank] = None) -> Optional[JobResult]:
+    def _on_exit(self, c: Child, first: Optional[Rank] = None) -> Optional[JobResult]:
         """A child's process ended while running (for a gang: any rank's, ``first`` when
         not rank 0): recover, then restart or give up."""
         blame = self._end_gang(c, first) if c.followers else None
         self._read(c)
         c.proc.join()
-        cause = self._exit_cause(c)
+        cause = self._exitexit_cause(c)
         if blame is not None:
             # Its error decides (an Escalate there stops the job), not the one rank 0
             # raised when the collective lost that rank.
@@ -678,58 +563,10 @@ class Supervisor:
         self._spawn(c, f"one_for_one restart after: {cause}")
         return None
 
-    def _exit_cause(self, c: _Child) -> str:
-        return _cause(c.proc.exitcode, c.hung, c.error)
+    def _exitexit_cause(self, c: Child) -> str:
+        return exit_cause(c.proc.exitcode, c.hung, c.error)
 
-    def _check_hangs(self, now: float) -> None:
-        for c in self.children:
-            if c.proc is None or c.hung:
-                continue
-            reason = self._hang_reason(c, now)
-            if reason:
-                c.hung = f"hung: {reason}; killed"
-                self._log("hang", actor=c.actor_id, pid=c.proc.pid, reason=reason)
-                c.proc.kill()   # SIGKILL works on a stopped process too; the sentinel follows
-            for f in c.followers if c.ready else ():
-                age = now - self.heartbeats.row(f.number)["beat"]
-                if f.proc is not None and not f.hung and age > self.cfg.hang_timeout_s:
-                    reason = f"rank {f.rank}: no heartbeat for {age:.1f}s (hang_timeout_s={self.cfg.hang_timeout_s:g})"
-                    f.hung = f"hung: {reason}; killed"
-                    self._log("hang", actor=c.actor_id, pid=f.proc.pid, reason=reason)
-                    f.proc.kill()   # its sentinel brings down the gang
-
-    def _hang_reason(self, c: _Child, now: float) -> Optional[str]:
-        if not c.ready:
-            idle = now - self._progressed_at(c)
-            if idle > self.cfg.start_timeout_s:
-                phase = f" in {c.starting['name']!r}" if c.starting else ""
-                return (f"not ready: no start-up progress{phase} for {idle:.1f}s, {now - c.spawned_at:.1f}s after "
-                        f"spawn (start_timeout_s={self.cfg.start_timeout_s:g})")
-            return None
-        age = now - self.heartbeats.row(c.number)["beat"]
-        if age > self.cfg.hang_timeout_s:
-            return f"no heartbeat for {age:.1f}s (hang_timeout_s={self.cfg.hang_timeout_s:g})"
-        return None
-
-    def _next_hang_deadline(self) -> float:
-        deadlines = []
-        for c in self.children:
-            if c.proc is None or c.hung:
-                continue
-            if c.ready:
-                for n in [c.number] + [f.number for f in c.followers if f.proc is not None and not f.hung]:
-                    deadlines.append(self.heartbeats.row(n)["beat"] + self.cfg.hang_timeout_s)
-            else:
-                deadlines.append(self._progressed_at(c) + self.cfg.start_timeout_s)
-        # A beat may have moved on since we read it; the check itself rereads.
-        return min(deadlines, default=float("inf")) + 0.01
-
-    @staticmethod
-    def _progressed_at(c: _Child) -> float:
-        """When ``c``, not yet ready, last showed start-up progress (any rank's)."""
-        return c.starting["last"] if c.starting is not None else c.spawned_at
-
-    def _send(self, c: _Child, msg) -> None:
+    def _send(self, c: Child, msg) -> None:
         """To the actor; to a gang, to every rank in the same order (they run the same
         Work together)."""
         for conn in [c.conn] + [f.conn for f in c.followers]:
@@ -742,7 +579,7 @@ class Supervisor:
     def _stop_children(self, reason: str) -> None:
         """Stop, join until grace_s, SIGTERM, SIGKILL. Done messages that arrive while
         the actors finish are still settled, so the ledger ends consistent."""
-        self._drain_wakeup()   # the signal that began this stop, if any, is not a second one
+        self._wake.drain()   # the signal that began this stop, if any, is not a second one
         live = [c for c in self.children if c.proc is not None]
         for c in live:
             self._send(c, Stop(reason))
@@ -781,16 +618,16 @@ class Supervisor:
                 f.proc.close()
                 f.proc, f.conn = None, None
 
-    def _join(self, live: list[_Child], until: float) -> list[_Child]:
+    def _join(self, live: list[Child], until: float) -> list[Child]:
         """Wait for ``live`` to exit until ``until``; a new SIGINT/SIGTERM cuts it short
         (a second Ctrl-C means: do not wait for the grace period)."""
         while live:
             left = until - time.monotonic()
             if left <= 0:
                 break
-            ready = wait([self._wake_r] + [c.conn for c in live] + [c.proc.sentinel for c in live], left)
-            if self._wake_r in ready:
-                self._drain_wakeup()
+            ready = wait([self._wake.reader] + [c.conn for c in live] + [c.proc.sentinel for c in live], left)
+            if self._wake.reader in ready:
+                self._wake.drain()
                 self._log("hurry", reason="signal received while stopping; skipping the rest of the wait")
                 break
             for c in live:
@@ -799,41 +636,16 @@ class Supervisor:
             live = [c for c in live if c.proc.exitcode is None]
         return live
 
-    def _read_settling(self, c: _Child) -> None:
+    def _read_settling(self, c: Child) -> None:
         try:
             self._read(c)
         except Exception as e:   # noqa: BLE001 - shutting down; record it and carry on
             self._log("error", actor=c.actor_id, reason=f"while stopping: {type(e).__name__}: {e}")
 
-    # -- signals ---------------------------------------------------------------
-
-    def _install_signals(self) -> Callable[[], None]:
-        self._wake_r, self._wake_w = socket.socketpair()
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: (self._wake_r.close(), self._wake_w.close())
-        self._wake_w.setblocking(False)
-        old_fd = signal.set_wakeup_fd(self._wake_w.fileno())
-        old = {s: signal.signal(s, lambda signum, _f: self.request_stop(signal.Signals(signum).name))
-               for s in (signal.SIGINT, signal.SIGTERM)}
-
-        def restore():
-            for s, h in old.items():
-                signal.signal(s, h)
-            signal.set_wakeup_fd(old_fd)
-            self._wake_r.close()
-            self._wake_w.close()
-        return restore
-
-    def _drain_wakeup(self) -> None:
-        self._wake_r.setblocking(False)
-        try:
-            while self._wake_r.recv(512):
-                pass
-        except BlockingIOError:
-            pass
+    # -- waiting ---------------------------------------------------------------
 
     def _waitables(self) -> list:
-        objs = [self._wake_r]
+        objs = [self._wake.reader]
         if self._server is not None and self._server.sentinel is not None:
             objs.append(self._server.sentinel)
         for c in self.children:
@@ -852,83 +664,32 @@ class Supervisor:
             self.tracer.instant(f"{event} {fields.get('actor', '')}".strip(), reason=fields.get("reason"))
 
     def status(self) -> dict:
+        """The runtime's block of status.json (``status``)."""
         now = time.monotonic()
-        actors = {}
-        for c in self.children:
-            hb = self.heartbeats.row(c.number)
-            alive = c.proc is not None and c.proc.exitcode is None
-            rss, cpu = _usage(c.ps) if alive else (None, None)
-            actors[c.actor_id] = {
-                "pid": c.proc.pid if c.proc is not None else None,
-                "state": (hb["phase"].name.lower() if alive and c.ready else "starting" if alive
-                          else "exited" if self.state is not JobState.RUNNING else "dead"),
-                "restarts": c.restarts,
-                "heartbeat_age_s": round(now - hb["beat"], 3) if alive and hb["beat"] else None,
-                "progress": {"done": hb["done"], "wip": hb["wip"]},
-                "batch": hb["batch"] if hb["batch"] >= 0 else None,
-                "holds": self.dispatcher.held(c.number),
-                "busy_s": round(self.heartbeats.busy(c.number, now), 3),
-                "busy_pct_30s": self._busy_pct(c, now),
-                "rss_mb": rss, "cpu_pct": cpu, **_gpu_fields(hb),
-                "phase": _phase(c.starting, now) if alive else None,
-                "ready_at": c.ready_at if alive and c.ready else None,
-                **({"ranks": [c.proc.pid if alive else None] +
-                    [f.proc.pid if f.proc is not None and f.proc.exitcode is None else None for f in c.followers]}
-                   if c.followers else {}),
-                "stuck": c.stuck,
-            }
-        rss, cpu = _usage(self._ps)
+        running = self.state is JobState.RUNNING
+        actors = {c.actor_id: status.actor_entry(c, self.heartbeats, self.dispatcher.held(c.number), now, running)
+                  for c in self.children}
+        rss, cpu = status.usage(self._ps)
         return {"time": round(time.time(), 3), "state": self.state.value, "reason": self.reason,
                 "supervisor_pid": os.getpid(), "start_method": self.start_method,
                 "forkserver_pid": self._server.pid if self._server is not None else None,
                 "forkserver_restarts": self.forkserver_restarts,
                 "supervisor_started": self._ps.create_time(),
-                "supervisor": {"rss_mb": rss, "cpu_pct": cpu, **_gpu_fields(gpu_memory())},
+                "supervisor": {"rss_mb": rss, "cpu_pct": cpu, **status.gpu_fields(gpu_memory())},
                 "stuck_after_s": self.cfg.stuck_s, "hang_timeout_s": self.cfg.hang_timeout_s,
                 "actors": actors, "rings": self.dispatcher.occupancy(),
-                "batches": {**self._counts(), "committed_this_run": len(self.dispatcher.committed),
+                "batches": {**status.batch_counts(self.dispatcher.state_names, self.ledger),
+                            "committed_this_run": len(self.dispatcher.committed),
                             "total": len(self.ledger)}}
 
-    def _busy_pct(self, c: _Child, now: float) -> Optional[float]:
-        """Percent of the last ``BUSY_WINDOW_S`` the actor spent working (over what
-        of the window has been seen yet)."""
-        c.busy.append((now, self.heartbeats.busy(c.number, now)))
-        while len(c.busy) > 2 and now - c.busy[1][0] >= BUSY_WINDOW_S:
-            c.busy.popleft()
-        (t0, b0), (t1, b1) = c.busy[0], c.busy[-1]
-        return round(min(100.0, 100 * (b1 - b0) / (t1 - t0)), 1) if t1 - t0 > 0.5 else None
-
-    def _check_stuck(self, now: float) -> None:
-        """Name the live actors that look stuck (``status.json``, one events.log line when
-        that begins and ends). Stuck is not hung: nothing is killed for it."""
-        for c in self.children:
-            reason = None
-            if c.proc is not None and not c.hung:
-                if c.ready:
-                    age = now - self.heartbeats.row(c.number)["beat"]
-                    if age > self.cfg.stuck_s:
-                        reason = f"no heartbeat for {age:.1f} s"
-                elif c.starting is not None and now - c.starting["last"] > self.cfg.hang_timeout_s:
-                    reason = f"no progress in {c.starting['name']!r} for {now - c.starting['last']:.0f} s"
-            if reason and not c.stuck:
-                self._log("stuck", actor=c.actor_id, reason=reason)
-            elif c.stuck and not reason:
-                self._log("unstuck", actor=c.actor_id, reason="alive again" if c.proc is not None else "gone")
-            c.stuck = reason
-
-    def _counts(self) -> dict[str, int]:
-        names = self.dispatcher.state_names
-        counts = self.ledger.counts(max(names) + 1)
-        return {name: counts[s] for s, name in names.items()}
-
     def _write_status(self) -> None:
-        self._check_stuck(time.monotonic())
-        status = self.status()
+        self.health.check_stuck(self.children, time.monotonic())
+        block = self.status()
         if self.on_status is not None:
-            self.on_status(status)
-        path = self.run_dir / STATUS_FILE
+            self.on_status(block)
+        path = self.run_dir / status.STATUS_FILE
         try:
-            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(status, indent=1)))
+            write_atomically(path, lambda tmp: tmp.write_text(json.dumps(block, indent=1)))
         except OSError as e:    # a full disk, a directory put in its place: stop, as events.log does
             self.request_failure(cannot_write(path, e))
         # Steady training logs no decision for minutes: look at events.log as often as at
@@ -936,46 +697,3 @@ class Supervisor:
         self._events.probe()
 
 
-def _gpu_fields(mb: dict) -> dict:
-    """status.json's GPU memory of a process (``actor.gpu_memory``'s MiB, rounded; null
-    where it has used no CUDA)."""
-    return {key: round(mb[col], 1) if mb[col] else None
-            for key, col in (("gpu_mem_mb", "gpu_mb"), ("gpu_peak_mb", "gpu_peak_mb"),
-                             ("gpu_reserved_peak_mb", "gpu_reserved_peak_mb"))}
-
-
-def _usage(ps: Optional[psutil.Process]) -> tuple[Optional[float], Optional[float]]:
-    """(RSS MiB, CPU % since the previous call) of a process; Nones if it is gone.
-    RSS counts the shared buffers the process has touched, so it overlaps between actors."""
-    if ps is None:
-        return None, None
-    try:
-        with ps.oneshot():
-            return round(ps.memory_info().rss / 2**20, 1), round(ps.cpu_percent(None), 1)
-    except psutil.Error:
-        return None, None
-
-
-def _phase(starting: Optional[dict], now: float) -> Optional[dict]:
-    if starting is None:
-        return None
-    return {"name": starting["name"], "done": starting["done"], "total": starting["total"],
-            "elapsed_s": round(now - starting["since"], 1), "idle_s": round(now - starting["last"], 1)}
-
-
-def _cause(code: Optional[int], hung: Optional[str], error: Optional[ActorError]) -> str:
-    """Why a process ended, in one phrase: hung, a signal, its error, or its exit code."""
-    if hung:
-        return hung
-    if code is not None and code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    if error is not None:
-        return error.one_line()
-    return f"exit code {code}"
-
-
-def _free_port() -> int:
-    """A local TCP port free now, for a gang's rendezvous (its rank 0 binds it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -162,7 +162,7 @@ def test_collect_names_failures_and_gathers_the_plan_rows(tmp_path):
 
 def test_heartbeats_carry_the_gpu_peaks_into_status_fields():
     from dflash_actors.runtime.actor import Heartbeats, gpu_memory
-    from dflash_actors.runtime.supervisor import _gpu_fields
+    from dflash_actors.runtime.status import gpu_fields as _gpu_fields
 
     hb = Heartbeats.allocate(2)
     # this process has not used CUDA: zeros, and nothing initialises it
