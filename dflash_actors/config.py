@@ -337,16 +337,15 @@ class JobRuntimeConfig(RuntimeConfig):
     optimizer_device: str = "auto"
     """Where the optimizer keeps the drafter's weights, both AdamW moments and the step's
     gradient sum (about 6 x 4 bytes a parameter at its peak): ``cpu``, ``cuda:N``, or
-    auto: the memory plan's choice, the GPU of the drafters with the most room left,
-    else the host (``--plan-only`` shows it)."""
+    auto: the memory plan's choice, a GPU where it leaves the drafters the most room
+    (targets' GPUs first), else the host (``--plan-only`` shows it)."""
     feature_transport: Literal["auto", "host", "cuda"] = "auto"
     """Where the feature ring (the target's hidden states for the drafters) lives.
     ``host``: shared host memory, page-locked by every GPU actor that copies it;
-    ``cuda``: device memory of the first drafter's GPU, written by the targets and
-    read in place by the drafters through CUDA IPC (peer to peer from other GPUs);
-    ``auto``: cuda when every target and drafter is on a GPU that can reach that one
-    peer to peer, else host."""
-
+    ``cuda``: device memory of a drafter's GPU that every target and drafter reaches
+    (peer to peer from other GPUs), written by the targets and read in place by the
+    drafters through CUDA IPC; ``auto``: either, where the memory plan finds the most
+    room (``--plan-only`` shows it)."""
 
     def __post_init__(self):
         d = self.optimizer_device

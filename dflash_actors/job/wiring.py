@@ -28,11 +28,12 @@ ring: it outlives their restarts.
 With ``topology.target_tp`` K > 1 each target.i is a gang of K processes (``Stage.gang``),
 tensor parallel over K devices; the rest of the job sees one actor.
 
-Placement (``resolve_devices``, ``feature_device``): the targets' ranks on
+Placement (``resolve_devices``, ``ring_choices``): the targets' ranks on
 cuda:0..N*K-1 (a gang's adjacent) and drafters on cuda:N*K..N*K+M-1 when that many GPUs
 exist, else the CPU; but gangs on a machine with too few GPUs are refused rather than
-run on the CPU. The feature ring goes on the first drafter's GPU when every actor that
-touches it (drafters, the targets' rank 0) can reach it (``runtime.feature_transport``).
+run on the CPU. The feature ring may go on a drafter's GPU that every actor touching it
+(drafters, the targets' rank 0) can reach (``runtime.feature_transport``), or in host
+memory; the memory plan picks one (``train.memplan``), and the optimizer's device.
 """
 
 from __future__ import annotations
@@ -97,52 +98,40 @@ class Devices:
     """One per target rank: target i's gang is ``targets[i*K:(i+1)*K]`` (``topology.target_tp`` K)."""
     drafters: tuple[str, ...]
     features: str = "cpu"
-    """Where the feature ring lives (``feature_device``, or the memory plan's choice)."""
+    """Where the feature ring lives: the memory plan's choice among ``ring_choices``."""
     optimizer: Optional[str] = None
     """Where the optimizer keeps its state: the memory plan's choice
     (``runtime.optimizer_device``); None: the first drafter's device."""
 
 
-def feature_device(transport: str, targets: tuple[str, ...], drafters: tuple[str, ...],
-                   peer: Callable[[int, int], bool] | None = None) -> str:
-    """The feature ring's device for ``runtime.feature_transport``: the first drafter's
-    GPU, or cpu. Each target writes and each drafter reads that device's memory, so
-    every one of them must be on a GPU that reaches it: the same one, or a peer
-    (``peer(a, b)``: can device a access device b, as ``torch.cuda.can_device_access_peer``)."""
-    if transport == "host":
-        return "cpu"
-    on_cpu = [d for d in (*targets, *drafters) if not d.startswith("cuda:")]
-    ring = drafters[0]
-    if not on_cpu:
-        peer = peer or torch.cuda.can_device_access_peer
-        k = int(ring[5:])
-        far = sorted({d for d in (*targets, *drafters) if int(d[5:]) != k and not peer(int(d[5:]), k)})
-    else:
-        far = []
-    if transport == "auto":
-        return "cpu" if on_cpu or far else ring
-    if on_cpu:
-        raise ConfigError(f"runtime.feature_transport: cuda needs every target and drafter on a GPU, but "
-                          f"{', '.join(sorted(set(on_cpu)))} is in the topology (targets {list(targets)}, "
-                          f"drafters {list(drafters)}); use host or auto")
-    if far:
-        raise ConfigError(f"runtime.feature_transport: cuda puts the feature ring on {ring}, which "
-                          f"{', '.join(far)} cannot reach peer to peer; use host or auto")
-    return ring
-
-
 def ring_choices(transport: str, targets: tuple[str, ...], drafters: tuple[str, ...],
                  peer: Callable[[int, int], bool] | None = None) -> tuple[str, ...]:
     """Every device the feature ring may go on for ``runtime.feature_transport``, for the
-    memory plan to choose from: host memory, and (``auto``, ``cuda``) each drafter GPU
-    that every target's rank 0 and every drafter can reach (``feature_device``'s rule)."""
-    first = feature_device(transport, targets, drafters, peer)     # refuses what cuda cannot do
-    if transport == "host" or first == "cpu":
+    memory plan to choose from. Each target writes and each drafter reads the ring's
+    memory, so a GPU qualifies when every one of them is on a GPU that reaches it: the
+    same one, or a peer (``peer(a, b)``: can device a access device b, as
+    ``torch.cuda.can_device_access_peer``). ``host``: host memory only; ``auto``: each
+    drafter GPU that qualifies, then host memory; ``cuda``: the qualifying drafter GPUs,
+    and a ConfigError when there is none."""
+    if transport == "host":
         return ("cpu",)
-    peer = peer or torch.cuda.can_device_access_peer
-    users = [int(d[5:]) for d in (*targets, *drafters)]
-    gpus = [d for d in dict.fromkeys(drafters) if all(u == int(d[5:]) or peer(u, int(d[5:])) for u in users)]
-    return (*gpus, "cpu") if transport == "auto" else tuple(gpus)
+    on_cpu = sorted({d for d in (*targets, *drafters) if not d.startswith("cuda:")})
+    gpus: list[str] = []
+    if not on_cpu:
+        peer = peer or torch.cuda.can_device_access_peer
+        users = {int(d[5:]) for d in (*targets, *drafters)}
+        gpus = [d for d in dict.fromkeys(drafters) if all(u == int(d[5:]) or peer(u, int(d[5:])) for u in users)]
+    if transport == "auto":
+        return (*gpus, "cpu")
+    if on_cpu:
+        raise ConfigError(f"runtime.feature_transport: cuda needs every target and drafter on a GPU, but "
+                          f"{', '.join(on_cpu)} is in the topology (targets {list(targets)}, "
+                          f"drafters {list(drafters)}); use host or auto")
+    if not gpus:
+        raise ConfigError(f"runtime.feature_transport: cuda puts the feature ring on a drafter's GPU, and none of "
+                          f"{', '.join(dict.fromkeys(drafters))} is reachable peer to peer from every target and "
+                          "drafter; use host or auto")
+    return tuple(gpus)
 
 
 def resolve_devices(cfg: Config, cuda_count: int | None = None) -> Devices:

@@ -647,8 +647,8 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     ``loss="distill"`` the features' last ``H`` columns are the target's last layer and
     each slot learns the target's softmax there, one position back. With ``vocab`` (sorted
     token ids, or ``VocabRows``) the softmax, its argmax and the teacher's run over those
-    rows of the head only (``train.head_vocab``). With no anchor anywhere in the batch the loss
-    is ``no_blocks``'. Training splits a batch into micro-batches (``train.drafter_step``).
+    rows of the head only (``train.head_vocab``). With no anchor anywhere in the batch it
+    returns ``no_blocks``. Training splits a batch into micro-batches (``train.drafter_step``).
     """
     if not any(len(a) for a in anchors):
         return no_blocks(drafter)

@@ -18,7 +18,6 @@ bench`` reports.
 from __future__ import annotations
 
 import os
-import signal
 import time
 import traceback
 from pathlib import Path
@@ -34,6 +33,7 @@ from ..models.drafter import build_drafter
 from ..models.loss import Objective
 from ..models.target import load_target
 from ..runtime.boot import Deferred, boot
+from ..runtime.children import exit_cause
 from ..train import costmodel
 from ..train.drafter_step import drafter_step, step_options
 from ..train.optim import build_optimizer
@@ -140,16 +140,10 @@ def probe_costs(cfg: Config, data: DataCheck) -> costmodel.StageCosts:
                          f"(runtime.start_timeout_s + {PROBE_S:.0f} s); give the topology as N-M")
     if result is None:
         raise ValueError(f"--topology auto: the cost probe process died without a result "
-                         f"({_exit_text(proc.exitcode)})")
+                         f"({exit_cause(proc.exitcode, None, None)})")
     if isinstance(result, str):
         raise ValueError(result)
     return result
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        return f"exit code {code}, killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
 
 
 def device_count() -> int:

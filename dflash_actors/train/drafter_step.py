@@ -1,7 +1,7 @@
 """One batch's drafter gradient, in micro-batches that fit the drafter's device.
 
 A packed batch of the shipped GPU configs (65,536 tokens, 512 anchors of 16 slots per
-sequence) holds 170,000-520,000 block tokens; trained in one forward, its saved
+sequence) holds 170,000 block tokens or more; trained in one forward, its saved
 activations (about 1.3 MiB per block token for an 8B-sized 5-layer drafter in bf16)
 would need hundreds of GiB. So a batch's anchors are split into micro-batches
 (``split_anchors``) of at most ``train.drafter_block_tokens`` padded block tokens and as

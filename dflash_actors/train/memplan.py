@@ -169,7 +169,6 @@ class BatchShape:
     target_rows: int
     target_length: int
     longest: int
-    source: str
 
     @property
     def blocks(self) -> int:
@@ -184,7 +183,7 @@ class BatchShape:
         anchors = np.minimum(cfg.train.num_anchors, np.maximum(longest - 1, 1))
         b, t = int(np.argmax(counts * anchors)), int(np.argmax(counts * longest))
         return cls(int(counts[b]), int(longest[b]), int(anchors[b]), int(counts[t]), int(longest[t]),
-                   int(longest.max()), "the first epoch's batches")
+                   int(longest.max()))
 
     @classmethod
     def of_config(cls, cfg) -> "BatchShape":
@@ -198,8 +197,7 @@ class BatchShape:
             best = max(best or cand, cand)
         _, rows, length = best
         t_rows = max(1, min(b.max_samples, b.token_budget // L))
-        return cls(rows, length, min(n, length - 1), t_rows, L, L, "batching.token_budget and data.max_seq_len "
-                   "(no dataset yet)")
+        return cls(rows, length, min(n, length - 1), t_rows, L, L)
 
 
 def micro_batch(shape: BatchShape, tokens: int, block_size: int) -> tuple[int, int, int]:
@@ -230,7 +228,6 @@ class Inputs:
     shape: BatchShape
     have: dict
     """device -> bytes, or None: not checked."""
-    drafter_params: int = 0
     notes: list = field(default_factory=list)
 
 
@@ -328,7 +325,7 @@ def _dtype_bytes(cfg, device: str) -> int:
 
 def fixed_parts(inp: Inputs, tr: _Traces, optimizer: str, ring: str) -> list[tuple[str, Part]]:
     """``(device, part)`` for everything but the drafters' step activations."""
-    cfg, top, P = inp.cfg, inp.cfg.topology, inp.drafter_params
+    cfg, top, P = inp.cfg, inp.cfg.topology, tr.drafter_numel()
     H, V = int(inp.target_config.hidden_size), int(inp.target_config.vocab_size)
     width = (len(inp.layer_ids) + tr.teacher) * H
     tied = bool(getattr(inp.target_config, "tie_word_embeddings", False))
@@ -539,7 +536,6 @@ def _overflow(devs: tuple[DevicePlan, ...]) -> int:
 def make_plan(inp: Inputs) -> MemoryPlan:
     """The plan for ``inp`` (module docstring)."""
     cfg, tr = inp.cfg, _Traces(inp)
-    inp.drafter_params = tr.drafter_numel()
     want = cfg.runtime.optimizer_device
     if want != "auto":
         opt_choices = [want]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -157,8 +158,8 @@ def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_l
                                                "trace", V))
         for p in drafter.parameters():
             p.grad = torch.zeros_like(p)
-        head = _Head(torch.nn.Embedding(V, H, dtype=head_dtype).requires_grad_(False),
-                     torch.nn.Linear(H, V, bias=False, dtype=head_dtype).requires_grad_(False))
+        head = SimpleNamespace(embed_tokens=torch.nn.Embedding(V, H, dtype=head_dtype).requires_grad_(False),
+                               lm_head=torch.nn.Linear(H, V, bias=False, dtype=head_dtype).requires_grad_(False))
         features = torch.empty(rows * ctx_len, (feature_layers + (loss == "distill")) * H, dtype=head_dtype)
         start = [*drafter.parameters(), *(p.grad for p in drafter.parameters()), *drafter.buffers(),
                  head.embed_tokens.weight, head.lm_head.weight, features]
@@ -175,8 +176,7 @@ def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_l
     return StepTrace(saved[0], live.peak)
 
 
-class _Head:
-    def __init__(self, embed_tokens, lm_head):
+def __init__(self, embed_tokens, lm_head):
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
 
 

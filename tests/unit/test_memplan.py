@@ -1,5 +1,7 @@
 """The memory plan: its traced figures against a real step, and the order of its levers."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -24,8 +26,8 @@ def real_saved_bytes(autocast_bf16: bool, rows: int, ctx: int, anchors: int, lay
     for p in d.parameters():
         p.grad = torch.zeros_like(p)
     dtype = torch.bfloat16 if autocast_bf16 else torch.float32
-    head = memtrace._Head(torch.nn.Embedding(V, H, dtype=dtype).requires_grad_(False),
-                          torch.nn.Linear(H, V, bias=False, dtype=dtype).requires_grad_(False))
+    head = SimpleNamespace(embed_tokens=torch.nn.Embedding(V, H, dtype=dtype).requires_grad_(False),
+                           lm_head=torch.nn.Linear(H, V, bias=False, dtype=dtype).requires_grad_(False))
     feats = torch.randn(rows * ctx, 2 * H, dtype=dtype)
     batch = memtrace.packed_batch(rows, ctx)
     batch.input_ids.random_(0, V - 1)
@@ -75,8 +77,7 @@ def test_the_target_trace_follows_the_batch():
 
 
 def test_a_micro_batch_stays_within_its_budget():
-    shape = memplan.BatchShape(rows=20, length=3000, anchors=512, target_rows=21, target_length=3000, longest=3000,
-                               source="test")
+    shape = memplan.BatchShape(rows=20, length=3000, anchors=512, target_rows=21, target_length=3000, longest=3000)
     for tokens in (16, 1024, 8192, 16384, 65536):
         rows, ctx, anchors = memplan.micro_batch(shape, tokens, 16)
         assert rows * anchors * 16 <= tokens and anchors <= 512
@@ -85,8 +86,7 @@ def test_a_micro_batch_stays_within_its_budget():
 
 def plan_with(gpu_bytes: dict, **changes):
     cfg = load_config(ROOT / "configs/default.yaml", [("drafter.block_size", 4), *changes.items()], topology="1-1")
-    shape = memplan.BatchShape(rows=8, length=256, anchors=64, target_rows=8, target_length=256, longest=256,
-                               source="test")
+    shape = memplan.BatchShape(rows=8, length=256, anchors=64, target_rows=8, target_length=256, longest=256)
     have = {"cpu": 64 * memplan.GIB, **gpu_bytes}
     inp = memplan.Inputs(cfg, ("cuda:0",), ("cuda:1",), ("cpu",), SMALL, [1, 3], shape, have)
     return memplan.make_plan(inp)

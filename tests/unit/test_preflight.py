@@ -4,25 +4,25 @@ feature ring lives (``runtime.feature_transport``)."""
 import pytest
 
 from dflash_actors.config import ConfigError
-from dflash_actors.job.wiring import feature_device
+from dflash_actors.job.wiring import ring_choices
 
 
-def test_feature_ring_device_follows_the_transport_and_the_topology():
+def test_the_ring_may_go_on_each_drafter_gpu_every_actor_reaches():
     gpus = ("cuda:0", "cuda:1"), ("cuda:2", "cuda:3")
     nvlink = lambda a, b: True                   # noqa: E731
     pcie_only = lambda a, b: {a, b} != {0, 2}    # noqa: E731 - cuda:0 cannot reach cuda:2
-    assert feature_device("auto", *gpus, peer=nvlink) == "cuda:2"        # the first drafter's GPU
-    assert feature_device("auto", ("cuda:0",), ("cuda:0",), peer=pcie_only) == "cuda:0"   # one GPU: no peer needed
-    assert feature_device("auto", *gpus, peer=pcie_only) == "cpu"
-    assert feature_device("auto", ("cpu",), ("cpu",)) == "cpu"
-    assert feature_device("auto", ("cuda:0",), ("cpu",)) == "cpu"
-    assert feature_device("host", *gpus, peer=nvlink) == "cpu"
-    assert feature_device("cuda", *gpus, peer=nvlink) == "cuda:2"
-    with pytest.raises(ConfigError, match="cuda:0 cannot reach peer to peer"):
-        feature_device("cuda", *gpus, peer=pcie_only)
+    assert ring_choices("auto", *gpus, peer=nvlink) == ("cuda:2", "cuda:3", "cpu")
+    assert ring_choices("auto", ("cuda:0",), ("cuda:0",), peer=pcie_only) == ("cuda:0", "cpu")   # no peer needed
+    assert ring_choices("auto", *gpus, peer=pcie_only) == ("cuda:3", "cpu")     # cuda:0 cannot reach cuda:2
+    assert ring_choices("auto", ("cpu",), ("cpu",)) == ("cpu",)
+    assert ring_choices("auto", ("cuda:0",), ("cpu",)) == ("cpu",)
+    assert ring_choices("host", *gpus, peer=nvlink) == ("cpu",)
+    assert ring_choices("cuda", *gpus, peer=nvlink) == ("cuda:2", "cuda:3")
+    assert ring_choices("cuda", *gpus, peer=pcie_only) == ("cuda:3",)
+    with pytest.raises(ConfigError, match="none of cuda:2, cuda:3 is reachable"):
+        ring_choices("cuda", *gpus, peer=lambda a, b: False)
     with pytest.raises(ConfigError, match="cpu is in the topology"):
-        feature_device("cuda", ("cuda:0",), ("cpu",))
-
+        ring_choices("cuda", ("cuda:0",), ("cpu",))
 
 
 def test_gangs_take_adjacent_gpus_and_drafters_the_rest():
