@@ -164,6 +164,21 @@ class DrafterConfig:
     """An unused embedding row of the target; None = the target's last vocab row."""
     init_from: Optional[str] = checked(None, optional(nonempty))
     """A drafter directory (e.g. a released DFlash drafter) to start from; None = ``init``."""
+    arch: Literal["dflash", "dflash2"] = "dflash"
+    """``dflash``: the drafter of April 2026 (``DFlashDraftModel``). ``dflash2``: DFlash2
+    (``DFlash2DraftModel``): a two-tap in-block convolution around every sublayer and a
+    candidate selector that proposes from the head's top ``selector_top_k`` per slot
+    (``models.dflash2``). Both start computing the same thing."""
+    conv_kernel_size: int = checked(2, at_least(1))
+    """dflash2: taps of the in-block convolution (self and predecessor, as published)."""
+    conv_group_size: int = checked(16, at_least(1))
+    """dflash2: channels that share one dynamic correction; must divide the hidden size."""
+    selector_rank: int = checked(256, at_least(1))
+    """dflash2: width of the selector's codebooks, two ``[vocab, rank]`` tables: 256 is
+    sized for 5,120-wide targets; at a small target they outweigh the drafter (SmolLM2's
+    49,152 tokens x 256 x 2 = 25M parameters), so its config takes a smaller one."""
+    selector_top_k: int = checked(16, at_least(1))
+    """dflash2: candidates per slot the selector chooses among."""
 
     def __post_init__(self):
         bad = set(self.init_parts) - {"layers", "fc", "hidden_norm", "norm"}
@@ -245,6 +260,22 @@ class TrainConfig:
     """Recompute each drafter layer's activations in the backward instead of keeping
     them: about a third more drafter compute for most of their memory. auto: the memory
     plan turns it on only when no micro-batch of a whole sequence fits without it."""
+    selector_weight: float = checked(1.0, at_least(0))
+    """dflash2: weight of the selector's K-way cross-entropy beside the block loss; 0
+    leaves the selector at its start (DFlash's argmax): a convolution-only DFlash2."""
+    selector_norm: Literal["dflash", "own"] = "dflash"
+    """dflash2: the selector term's denominator. ``dflash``: the block loss's ``sum(w)``
+    (SpecForge's), known before any forward. ``own``: its own ``sum(w)`` over slots whose
+    gold token is a candidate (NeMo Automodel's); a batch trained in several micro-batches
+    then first runs a forward without autograd per micro-batch to count them."""
+    selector_misses: Literal["skip", "insert"] = "skip"
+    """dflash2: a slot whose gold token is not among the top-K carries no selector term
+    (``skip``: NeMo's, and what serving can choose from), or the gold token replaces the
+    last candidate in training (``insert``: SpecForge's first version)."""
+    selector_grad: Literal["full", "stop"] = "full"
+    """dflash2: ``full``: the selector term's gradient also reaches the backbone, through
+    the unary logits and the drafter state (both peers' default); ``stop``: it trains
+    only the selector's own parameters."""
     max_bad_steps: int = checked(3, at_least(0))
     """Steps in a row whose loss or gradient is not finite that are skipped (each one
     logged) before the job stops; its final checkpoint then holds the weights from
@@ -411,6 +442,10 @@ class Config:
             raise ConfigError(
                 f"data.max_seq_len: must be <= batching.token_budget={self.batching.token_budget}, "
                 f"or the longest sample fits no batch (got {self.data.max_seq_len})")
+        if self.drafter.arch == "dflash2" and self.train.head_vocab != "full":
+            raise ConfigError(f"train.head_vocab: dflash2 needs full (its selector trains on the head's top-"
+                              f"{self.drafter.selector_top_k} over every token, as serving picks them; "
+                              f"got {self.train.head_vocab})")
         tokens = self.train.drafter_block_tokens
         if tokens is not None and tokens < self.drafter.block_size:
             raise ConfigError(f"train.drafter_block_tokens: must be >= drafter.block_size={self.drafter.block_size} "

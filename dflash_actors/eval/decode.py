@@ -157,7 +157,7 @@ def extend_rows(target, tokens: torch.Tensor, starts: list[int], caches: list) -
 
 
 class DrafterBlocks:
-    """The drafter's greedy blocks for several generations (``propose_rows`` of
+    """The drafter's greedy blocks (a DFlash2's: its selector's walk) for several generations (``propose_rows`` of
     ``speculative_generate_rows``; ``drafter_proposer`` is one generation).
 
     For row r, ``ids[-1]`` is the anchor (verified, no target state yet) and ``feats`` the
@@ -177,8 +177,14 @@ class DrafterBlocks:
     def __call__(self, rows: list[int], ids: list[torch.Tensor], feats: list[torch.Tensor]) -> list[torch.Tensor]:
         hidden = [self._hidden(r, i, f).to(self.target.dtype) for r, i, f in zip(rows, ids, feats)]
         if self.drafter.block_size - 1 < EXACT_ROWS:
-            return [self.target.lm_head(h).argmax(-1) for h in hidden]
-        return list(self.target.lm_head(torch.cat(hidden)).argmax(-1).split(self.drafter.block_size - 1))
+            logits = [self.target.lm_head(h) for h in hidden]
+        else:
+            logits = list(self.target.lm_head(torch.cat(hidden)).split(self.drafter.block_size - 1))
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            return [x.argmax(-1) for x in logits]
+        # A DFlash2 proposes its selector's walk from the anchor through each slot's top-K.
+        return [selector.walk(h[None], x[None], i[-1:])[0] for h, x, i in zip(hidden, logits, ids)]
 
     def _hidden(self, r: int, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         d = self.drafter

@@ -262,9 +262,10 @@ def text_features(target, ids: torch.Tensor) -> torch.Tensor:
 def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
                     feats: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(correct, valid)`` ``[A, B-1]``: per anchor (``anchor_candidates(mask)``), whether
-    each draft slot equals the text, up to the first slot that does not (every later one
-    reads False: no metric counts past it, and skipping its vocabulary head, most of the
-    cost, makes this several times cheaper for a drafter that accepts little). This is the
+    each draft slot (a DFlash2's: its selector's choice) equals the text, up to the first
+    slot that does not (every later one reads False: no metric counts past it, and
+    skipping its vocabulary head, most of the cost, makes this several times cheaper for
+    a drafter that accepts little). This is the
     training objective's view: the features of the whole text (``feats``,
     ``text_features`` if not given), each block seeing only the positions before its anchor."""
     ids_t = ids.to(target.device)
@@ -275,13 +276,22 @@ def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
     labels, valid = block_labels(ids_t, torch.from_numpy(mask).to(target.device), anchors, drafter.block_size)
     correct = torch.zeros_like(valid)
     alive = valid[:, 1]                 # slot 0 is the anchor itself, never a draft
+    selector = drafter.candidate_selector
     for k in range(1, drafter.block_size):
         rows = alive.nonzero()[:, 0]
         if not len(rows):
             break
         # Padded to EXACT_ROWS so that each row's logits are those of the whole-text head.
         padded = torch.cat([rows, rows[:1].expand(max(0, EXACT_ROWS - len(rows)))])
-        correct[rows, k] = target.lm_head(hidden[padded, k]).argmax(-1)[:len(rows)] == labels[rows, k]
+        logits = target.lm_head(hidden[padded, k])[:len(rows)]
+        if selector is None:
+            picked = logits.argmax(-1)
+        else:
+            # Every earlier slot of a live row is right: its gold predecessor is the walk's.
+            unary, cand = logits.topk(selector.top_k, dim=-1)
+            s = selector.scores(hidden[rows, k], unary, cand, labels[rows, k - 1])
+            picked = cand.gather(1, s.argmax(-1, keepdim=True))[:, 0]
+        correct[rows, k] = picked == labels[rows, k]
         if k + 1 < drafter.block_size:
             alive = correct[:, k] & valid[:, k + 1]
     return correct[:, 1:].cpu().numpy(), valid[:, 1:].cpu().numpy()

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from .dflash2 import DFLASH2_KEYS, BlockConv, CandidateSelector
 from .target import ensure_target, is_hf_dir, load_target
 
 WEIGHTS = "model.safetensors"
@@ -33,8 +34,10 @@ HF_MODELING = Path(__file__).with_name("hf_dflash.py")
 
 
 def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: list[int],
-                   mask_token_id: int, mask_token_reason: str, vocab_size: int) -> Qwen3Config:
-    """A Qwen3 config sized like the target (hidden, heads, MLP, RoPE), with DFlash fields."""
+                   mask_token_id: int, mask_token_reason: str, vocab_size: int,
+                   dflash2: dict | None = None) -> Qwen3Config:
+    """A Qwen3 config sized like the target (hidden, heads, MLP, RoPE), with DFlash fields;
+    a DFlash2's with ``dflash2`` (its four ``DFLASH2_KEYS``, ``dflash2_fields``)."""
     t = target_config
     heads = int(t.num_attention_heads)
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
@@ -52,7 +55,25 @@ def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: l
     cfg.num_target_layers = int(t.num_hidden_layers)
     cfg.dflash_config = {"mask_token_id": mask_token_id, "mask_token_reason": mask_token_reason,
                          "target_layer_ids": list(layer_ids), "block_size": block_size}
+    if dflash2 is not None:
+        # As published: no auto_map (the engines and z-lab's package bring the code), and
+        # is_causal stated, since z-lab's reference makes a layer causal when it is absent.
+        cfg.architectures = ["DFlash2DraftModel"]
+        del cfg.auto_map
+        cfg.is_causal = False
+        cfg.dflash_config.update({k: int(dflash2[k]) for k in DFLASH2_KEYS})
     return cfg
+
+
+def dflash2_fields(drafter_cfg) -> dict | None:
+    """The ``dflash_config`` additions of ``drafter.arch: dflash2`` (None for dflash)."""
+    if drafter_cfg.arch != "dflash2":
+        return None
+    return {k: getattr(drafter_cfg, k) for k in DFLASH2_KEYS}
+
+
+def is_dflash2(config) -> bool:
+    return all(k in (getattr(config, "dflash_config", None) or {}) for k in DFLASH2_KEYS)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,20 +122,38 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashLayer(nn.Module):
+    """A Qwen3 layer over the block; a DFlash2's also convolves the block stream in and
+    out of each sublayer (``BlockConv``; the context rows are never convolved)."""
+
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
         self.self_attn = DFlashAttention(cfg)
         self.mlp = Qwen3MLP(cfg)
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if is_dflash2(cfg):
+            dc, h = cfg.dflash_config, cfg.hidden_size
+            taps, group, block = int(dc["conv_kernel_size"]), int(dc["conv_group_size"]), int(cfg.block_size)
+            self.attention_conv = BlockConv(h, taps, group, block)
+            self.mlp_conv = BlockConv(h, taps, group, block)
 
     def forward(self, x, ctx, rope, attend):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._layer(x, lambda h: self.self_attn(h, ctx, rope, attend))
 
     def forward_cached(self, x, ctx_kv, rope):
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), ctx_kv, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._layer(x, lambda h: self.self_attn.forward_cached(h, ctx_kv, rope))
+
+    def _layer(self, x, attention):
+        x = x + _wrapped(attention, self.input_layernorm(x), self.attention_conv)
+        return x + _wrapped(self.mlp, self.post_attention_layernorm(x), self.mlp_conv)
+
+
+def _wrapped(sublayer, h, conv: BlockConv | None):
+    if conv is None:
+        return sublayer(h)
+    h, delta = conv.before(h)
+    return conv.after(sublayer(h), delta)
 
 
 def sdpa_dense(mask: torch.Tensor):
@@ -138,17 +177,33 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.candidate_selector = None
+        if is_dflash2(config):
+            self.candidate_selector = CandidateSelector(config.vocab_size, h, int(dc["selector_rank"]),
+                                                        int(dc["selector_top_k"]))
 
     def init_weights(self, seed: int) -> "DFlashDrafter":
-        """Normal(0, initializer_range) linears and unit norms, from ``seed`` alone."""
+        """Normal(0, initializer_range) linears and unit norms, from ``seed`` alone. A
+        DFlash2's convolutions and selector keep their own start (the identity, and
+        DFlash's argmax), drawn after the rest: a DFlash2 starts computing what the
+        DFlash of the same seed computes."""
         g = torch.Generator().manual_seed(seed)
         std = float(self.config.initializer_range)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
-                else:
+                elif not name.startswith("candidate_selector.") and "_conv." not in name:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
+        for layer in self.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    conv.reset_parameters()
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_parameters(g)
+            with torch.no_grad():
+                w = self.candidate_selector.hidden_projection.weight
+                w.copy_(torch.randn(w.shape, generator=g) * std)
         return self
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -198,11 +253,12 @@ class DFlashDrafter(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         d = self.config.to_dict()
-        d["architectures"] = ["DFlashDraftModel"]
+        d["architectures"] = ["DFlash2DraftModel" if is_dflash2(self.config) else "DFlashDraftModel"]
         (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS), metadata={"format": "pt"})
-        shutil.copyfile(HF_MODELING, path / "dflash.py")
+        if not is_dflash2(self.config):
+            shutil.copyfile(HF_MODELING, path / "dflash.py")
         return path
 
     @classmethod
@@ -213,6 +269,8 @@ class DFlashDrafter(nn.Module):
             state = load_file(str(path / WEIGHTS))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError, or OSError
             raise ValueError(f"{path / WEIGHTS}: not readable as safetensors ({e or type(e).__name__})") from None
+        # Codebooks saved as nn.Embedding weights (``...codebook.weight``) are the same tensors.
+        state = {k.removesuffix(".weight") if k.endswith("_codebook.weight") else k: v for k, v in state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: weights do not match its config.json "
@@ -231,10 +289,13 @@ def read_config(path: str | Path) -> Qwen3Config:
         d = json.loads(conf.read_text())
     except (OSError, ValueError) as e:      # ValueError: JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{conf}: not readable as JSON ({e})") from None
+    if isinstance(d, dict) and "block_size" not in d and "block_size" in (d.get("dflash_config") or {}):
+        d["block_size"] = d["dflash_config"]["block_size"]     # DFlash2's published configs keep it only there
     if not isinstance(d, dict) or not {"block_size", "dflash_config"} <= set(d):
         raise ValueError(f"{conf}: not a DFlash drafter config (needs block_size and dflash_config)")
     _check_supported(path, d)
-    extra = {k: d.pop(k) for k in ("block_size", "num_target_layers", "dflash_config", "auto_map") if k in d}
+    extra = {k: d.pop(k) for k in ("block_size", "num_target_layers", "dflash_config", "auto_map", "is_causal")
+             if k in d}
     cfg = Qwen3Config.from_dict(d)
     for k, v in extra.items():
         setattr(cfg, k, v)
@@ -254,6 +315,13 @@ def _check_supported(path: Path, d: dict) -> None:
                          "this drafter implements only full attention")
     if d.get("attention_bias"):
         raise ValueError(f"{path}: config.json sets attention_bias; this drafter has no attention biases")
+    dc = d.get("dflash_config") or {}
+    named = set(DFLASH2_KEYS) & set(dc)
+    if 0 < len(named) < len(DFLASH2_KEYS) or (not named and "DFlash2DraftModel" in (d.get("architectures") or ())):
+        missing = sorted(set(DFLASH2_KEYS) - named)
+        raise ValueError(f"{path}: a DFlash2 config needs dflash_config keys {list(DFLASH2_KEYS)} (missing {missing})")
+    if d.get("is_causal"):
+        raise ValueError(f"{path}: config.json sets is_causal; a DFlash block attends both ways")
 
 
 def choose_mask_token(tokenizer, embedding_rows: int) -> tuple[int, str]:
@@ -380,9 +448,10 @@ def start_config(cfg, target) -> Qwen3Config:
         mask_id, reason = _default_mask_token(cfg, target)
     if not 0 <= mask_id < target.vocab_size:
         raise ValueError(f"drafter.mask_token_id: {mask_id} is outside the target's vocab of {target.vocab_size}")
+    arch = dflash2_fields(cfg.drafter)
     if cfg.drafter.init_from is None:
         return drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
-                              mask_id, reason, target.vocab_size)
+                              mask_id, reason, target.vocab_size, arch)
     if not Path(cfg.drafter.init_from).exists():
         raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} does not exist")
     try:
@@ -395,6 +464,11 @@ def start_config(cfg, target) -> Qwen3Config:
     if have != want:
         raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} has (layer ids, block, mask id, hidden) "
                          f"{have}, this run needs {want} (mask id: {reason})")
+    have_arch = {k: int(dc[k]) for k in DFLASH2_KEYS} if is_dflash2(config) else None
+    if have_arch != arch:
+        name = lambda a: "dflash" if a is None else f"dflash2 {a}"   # noqa: E731
+        raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} is a {name(have_arch)} drafter, this run "
+                         f"trains {name(arch)} (drafter.arch and its sizes)")
     return config
 
 

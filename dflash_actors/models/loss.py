@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .dflash2 import SelectorObjective, selector_rows
 from .drafter import sdpa_dense
 
 CE_CHUNK_ROWS = 4096
@@ -330,16 +331,27 @@ class BlockStats:
     slot_total: torch.Tensor      # [B] int64
     weighted_ce: float            # sum(CE * w)
     weight: float                 # sum(w)
+    # A DFlash2 proposes through its selector, which ``accepted`` and ``slot_correct``
+    # score; these score the head's own argmax beside it, and how often the gold token
+    # was among the candidates at all (over ``slot_total``).
+    selector: bool = False
+    base_accepted: int = 0
+    hits: int = 0
 
     def __add__(self, o: "BlockStats") -> "BlockStats":
         return BlockStats(self.blocks + o.blocks, self.accepted + o.accepted, self.slot_correct + o.slot_correct,
-                          self.slot_total + o.slot_total, self.weighted_ce + o.weighted_ce, self.weight + o.weight)
+                          self.slot_total + o.slot_total, self.weighted_ce + o.weighted_ce, self.weight + o.weight,
+                          self.selector or o.selector, self.base_accepted + o.base_accepted, self.hits + o.hits)
 
     def metrics(self) -> dict:
         acc = (self.slot_correct[1:].double() / self.slot_total[1:].clamp(min=1)).tolist()
-        return {"loss": self.weighted_ce / max(self.weight, 1e-12),
-                "tau": 1.0 + self.accepted / max(self.blocks, 1),
-                "slot_acc": [round(a, 4) for a in acc], "blocks": self.blocks}
+        out = {"loss": self.weighted_ce / max(self.weight, 1e-12),
+               "tau": 1.0 + self.accepted / max(self.blocks, 1),
+               "slot_acc": [round(a, 4) for a in acc], "blocks": self.blocks}
+        if self.selector:
+            out["tau_unary"] = 1.0 + self.base_accepted / max(self.blocks, 1)
+            out["candidate_recall"] = round(self.hits / max(int(self.slot_total.sum()), 1), 4)
+        return out
 
 
 def _chunk_rows(teacher) -> int:
@@ -353,29 +365,36 @@ def _logits(h, weight, bias):
     return logits if bias is None else logits.add_(bias)
 
 
-def _ce_rows(hidden, weight, labels, teacher=None, bias=None):
+def _top(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` best head rows of each row of logits (a DFlash2's candidates), best first."""
+    return logits.topk(k, dim=-1).indices if k else logits.new_zeros((len(logits), 0), dtype=torch.long)
+
+
+def _ce_rows(hidden, weight, labels, teacher=None, bias=None, top_k=0):
     logits = _logits(hidden, weight, bias)
     hard = F.cross_entropy(logits, labels, reduction="none")
+    cand = _top(logits.detach(), top_k)
     if teacher is None:
-        return hard, logits.argmax(-1), hard.detach()
+        return hard, logits.argmax(-1), hard.detach(), cand
     target_p = _logits(teacher, weight, bias).softmax(-1)
-    return -(target_p * logits.log_softmax(-1)).sum(-1), logits.argmax(-1), hard.detach()
+    return -(target_p * logits.log_softmax(-1)).sum(-1), logits.argmax(-1), hard.detach(), cand
 
 
 def checkpointed_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                    teacher: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    teacher: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                    top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss per row, argmax, CE against labels)`` by autograd over checkpointed chunks:
     the head's matmul runs three times (forward, recomputed forward, backward), four
     with a ``teacher``, and one chunk of logits is alive at a time. The loss is CE
     against ``labels``, or against ``softmax(teacher @ W.T)`` when ``teacher`` rows are given.
-    ``bias`` (one float per head row, fp32) is added to every row's logits, the teacher's too."""
+    ``bias`` (one float per head row, fp32) is added to every row's logits, the teacher's too.
+    A fourth result holds each row's ``top_k`` best head rows (``[rows, 0]`` for none)."""
     out = []
     n = _chunk_rows(teacher)
     for s in range(0, len(hidden), n):
         sl = slice(s, s + n)
         out.append(checkpoint(_ce_rows, hidden[sl], lm_head_weight, labels[sl],
-                              None if teacher is None else teacher[sl], bias, use_reentrant=False))
+                              None if teacher is None else teacher[sl], bias, top_k, use_reentrant=False))
     return tuple(torch.cat(parts) for parts in zip(*out))
 
 
@@ -392,14 +411,15 @@ class _FusedHeadCE(torch.autograd.Function):
     ``lse - p . logits`` and the gradient ``(softmax - p) @ W`` (one more matmul, for p)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, teacher, bias):
-        losses, preds, hards = [], [], []
+    def forward(ctx, hidden, weight, labels, teacher, bias, top_k):
+        losses, preds, hards, cands = [], [], [], []
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
         n = _chunk_rows(teacher)
         for s in range(0, len(hidden), n):
             h, lab = hidden[s:s + n], labels[s:s + n]
             logits = _logits(h, weight, bias)
             preds.append(logits.argmax(-1))
+            cands.append(_top(logits, top_k))
             lse = torch.logsumexp(logits, dim=-1)
             hards.append(lse - logits.gather(1, lab[:, None]).squeeze(1))
             if teacher is not None:
@@ -418,30 +438,37 @@ class _FusedHeadCE(torch.autograd.Function):
         empty = hidden.new_zeros(0, dtype=torch.float32)
         pred = torch.cat(preds) if preds else labels.new_zeros(0)
         hard = torch.cat(hards) if hards else empty
-        ctx.mark_non_differentiable(pred, hard)
+        cand = torch.cat(cands) if cands else labels.new_zeros((0, top_k))
+        ctx.mark_non_differentiable(pred, hard, cand)
         loss = hard.clone() if teacher is None else (torch.cat(losses) if losses else empty)
-        return loss, pred, hard
+        return loss, pred, hard, cand
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_pred, _grad_hard):
+    def backward(ctx, grad_loss, _grad_pred, _grad_hard, _grad_cand):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_loss[:, None]).to(ctx.hidden_dtype), None, None, None, None
+        return (grad * grad_loss[:, None]).to(ctx.hidden_dtype), None, None, None, None, None
 
 
 def fused_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-             teacher: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``checkpointed_ce``'s three results with the gradient made in the forward (``_FusedHeadCE``)."""
+             teacher: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+             top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``checkpointed_ce``'s results with the gradient made in the forward (``_FusedHeadCE``)."""
     if lm_head_weight.requires_grad:
         raise ValueError("fused_ce: the head must be frozen (its gradient is not computed)")
-    return _FusedHeadCE.apply(hidden, lm_head_weight, labels, teacher, bias)
+    return _FusedHeadCE.apply(hidden, lm_head_weight, labels, teacher, bias, top_k)
+
+
+def head_candidates(hidden, lm_head_weight, labels, how: str = "fused", teacher=None, bias=None, top_k: int = 0):
+    """``head_ce``'s three results and each row's ``top_k`` best head rows, from the same
+    chunks of logits (a DFlash2's candidates cost no second pass over the head)."""
+    f = checkpointed_ce if how == "checkpointed" else fused_ce
+    return f(hidden, lm_head_weight, labels, teacher, bias, top_k)
 
 
 def head_ce(hidden, lm_head_weight, labels, how: str = "fused", teacher=None, bias=None):
     """Loss per row, argmax and CE against ``labels`` of the frozen head, by
     ``train.head_loss`` (auto = fused); the loss is distillation's with ``teacher`` rows."""
-    return checkpointed_ce(hidden, lm_head_weight, labels, teacher, bias) if how == "checkpointed" else \
-        fused_ce(hidden, lm_head_weight, labels, teacher, bias)
+    return head_candidates(hidden, lm_head_weight, labels, how, teacher, bias)[:3]
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, rows, alpha: float) -> torch.Tensor:
@@ -540,13 +567,16 @@ class Objective:
     """``training_vocab``: the head rows the softmax runs over (None: all)."""
     negatives: int = 0
     """``head_vocab: sampled``: rows drawn per batch from outside ``vocab``."""
+    selector: SelectorObjective | None = None
+    """A DFlash2's selector term (None: a DFlash)."""
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
         t = cfg.train
         return cls(t.num_anchors, decay_gamma(cfg), t.seed, t.compute_dtype,
                    "checkpointed" if t.head_loss == "checkpointed" else "fused", t.position_weight, t.dpace_alpha,
-                   t.loss, training_vocab(cfg), t.head_negatives if t.head_vocab == "sampled" else 0)
+                   t.loss, training_vocab(cfg), t.head_negatives if t.head_vocab == "sampled" else 0,
+                   SelectorObjective.from_config(cfg))
 
 
 @dataclass
@@ -559,6 +589,11 @@ class Blocks:
     labels: torch.Tensor      # [R, N, B]
     valid: torch.Tensor       # [R, N, B] bool: a real block's slot k >= 1 inside its row with m = 1
     rows: tuple               # valid.nonzero(as_tuple=True)
+
+    def predecessors(self) -> torch.Tensor:
+        """The gold token before each supervised position (slot 1's is the anchor's), in ``rows`` order."""
+        r, j, k = self.rows
+        return self.labels[r, j, k - 1]
 
     def decay_weights(self, gamma: float) -> torch.Tensor:
         """``exp(-(k-1)/gamma)`` of each supervised position, in ``rows`` order."""
@@ -578,20 +613,30 @@ def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: fl
                 compute_dtype: str = "auto", head_loss: str = "fused", position_weight: str = "decay",
                 dpace_alpha: float = 0.5, loss: str = "ce", vocab: VocabRows | None = None,
                 weights: torch.Tensor | None = None, total_weight: torch.Tensor | None = None,
-                checkpoint_layers: bool = False) -> tuple[torch.Tensor, tuple]:
-    """``(sum(CE*w) / total_weight, tally)`` over ``blocks`` (``dflash_loss`` says what
-    each option does); ``total_weight`` defaults to these blocks' own ``sum(w)``, and a
-    micro-batch passes the whole batch's instead, so that its gradients add up to the
-    batch's. ``weights``: the slot weights of ``blocks.rows``, when the caller has them
-    (D-PACE over micro-batches). ``tally`` is what ``block_stats`` counts."""
+                checkpoint_layers: bool = False, selector: SelectorObjective | None = None,
+                selector_total: torch.Tensor | None = None) -> tuple[torch.Tensor, "Tally"]:
+    """``(sum(CE*w) / total_weight [+ the selector term], tally)`` over ``blocks``
+    (``dflash_loss`` says what each option does); ``total_weight`` defaults to these
+    blocks' own ``sum(w)``, and a micro-batch passes the whole batch's instead, so that
+    its gradients add up to the batch's (``selector_total`` likewise for the selector's
+    own denominator, ``selector.norm: own``). ``weights``: the slot weights of
+    ``blocks.rows``, when the caller has them (D-PACE over micro-batches).
+
+    A DFlash2 drafter (one with a ``candidate_selector``) is scored on what its selector
+    proposes; with ``selector`` its K-way cross-entropy joins the loss
+    (``models.dflash2.SelectorObjective``)."""
     with autocast_for(features.device, compute_dtype):
         hidden = padded_hidden(drafter, head.embed_tokens, features, blocks.p, checkpoint_layers)
     p, valid, rows = blocks.p, blocks.valid, blocks.rows
     lab = blocks.labels[rows]
     teacher = teacher_rows(features, p, rows, hidden.shape[-1]) if loss == "distill" else None
     W = head.lm_head.weight
+    chooser = drafter.candidate_selector
+    top_k = 0 if chooser is None else chooser.top_k
     if vocab is None:
-        ce, pred, hard = head_ce(hidden[rows], W, lab, head_loss, teacher)
+        ce, pred, hard, cand = head_candidates(hidden[rows], W, lab, head_loss, teacher, top_k=top_k)
+    elif chooser is not None:
+        raise ValueError("train.head_vocab: a DFlash2 selects among the top-K of the whole head (use full)")
     else:
         ce, pred, hard = restricted_ce(hidden[rows], W, lab, vocab, head_loss, teacher)
     if weights is not None:
@@ -601,20 +646,55 @@ def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: fl
     else:
         w = blocks.decay_weights(gamma)
     wce, wsum = (ce * w).sum(), w.sum()
-    correct = torch.zeros_like(valid)
-    correct[rows] = pred == lab
-    return wce / (wsum if total_weight is None else total_weight), (correct, wce.detach(), wsum, hard.detach())
+    value = wce / (wsum if total_weight is None else total_weight)
+    tally = Tally(torch.zeros_like(valid), wce.detach(), wsum, hard.detach())
+    if chooser is None:
+        tally.correct[rows] = pred == lab
+        return value, tally
+    picked = selector_rows(chooser, hidden[rows], W, cand, lab, blocks.predecessors(), w, selector)
+    tally.correct[rows] = picked.chosen == lab
+    tally.base_correct = torch.zeros_like(valid)
+    tally.base_correct[rows] = pred == lab
+    tally.hits, tally.hit_weight = picked.hit, (w * picked.hit).sum().detach()
+    if selector is not None and selector.weight > 0 and torch.is_grad_enabled():
+        if selector.norm == "dflash" or selector.misses == "insert":     # insert: every slot carries the term
+            norm = wsum if total_weight is None else total_weight
+        else:
+            norm = tally.hit_weight if selector_total is None else selector_total
+        value = value + selector.weight * picked.numerator / norm.clamp(min=1e-12)
+    elif torch.is_grad_enabled():
+        # An untrained selector still gets a (zero) gradient: every process reduces every parameter's.
+        value = value + sum(q.sum() for q in chooser.parameters()) * 0.0
+    return value, tally
 
 
-def block_stats(blocks: Blocks, tally: tuple) -> "BlockStats":
+@dataclass
+class Tally:
+    """What ``blocks_loss`` measured besides its value: ``block_stats`` counts it."""
+
+    correct: torch.Tensor         # [R, N, B] bool: the proposal at that slot is the gold token
+    wce: torch.Tensor             # sum(CE * w)
+    wsum: torch.Tensor            # sum(w)
+    hard: torch.Tensor            # [n] CE against the data's tokens, per supervised slot (D-PACE's input)
+    base_correct: torch.Tensor | None = None   # a DFlash2's: the head's own argmax is the gold token
+    hits: torch.Tensor | None = None           # [n] a DFlash2's: the gold token is among the candidates
+    hit_weight: torch.Tensor | None = None     # sum(w) over those slots (``selector.norm: own``)
+
+
+def _leading(correct: torch.Tensor) -> int:
+    return int(correct[..., 1:].long().cumprod(dim=-1).sum())
+
+
+def block_stats(blocks: Blocks, tally: Tally) -> "BlockStats":
     """The ``BlockStats`` of ``blocks_loss``'s tally."""
-    correct, wce, wsum, _ = tally
-    valid = blocks.valid
-    leading = correct[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
-    return BlockStats(
-        blocks=int(blocks.p.real.sum()), accepted=int(leading.sum()),
-        slot_correct=correct.long().sum((0, 1)).cpu(), slot_total=valid.long().sum((0, 1)).cpu(),
-        weighted_ce=float(wce), weight=float(wsum))
+    t = tally
+    stats = BlockStats(
+        blocks=int(blocks.p.real.sum()), accepted=_leading(t.correct),
+        slot_correct=t.correct.long().sum((0, 1)).cpu(), slot_total=blocks.valid.long().sum((0, 1)).cpu(),
+        weighted_ce=float(t.wce), weight=float(t.wsum))
+    if t.hits is not None:
+        stats.selector, stats.base_accepted, stats.hits = True, _leading(t.base_correct), int(t.hits.sum())
+    return stats
 
 
 def no_blocks(drafter) -> tuple[torch.Tensor, "BlockStats"]:
@@ -622,7 +702,8 @@ def no_blocks(drafter) -> tuple[torch.Tensor, "BlockStats"]:
     gradient accumulation needs no special case), and empty stats."""
     B = drafter.block_size
     zero = sum(p.sum() for p in drafter.parameters()) * 0.0
-    return zero, BlockStats(0, 0, torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), 0.0, 0.0)
+    return zero, BlockStats(0, 0, torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), 0.0, 0.0,
+                            selector=drafter.candidate_selector is not None)
 
 
 def as_rows(vocab, head) -> VocabRows | None:
@@ -635,8 +716,9 @@ def as_rows(vocab, head) -> VocabRows | None:
 
 def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.ndarray],
                 gamma: float, *, compute_dtype: str = "auto", head_loss: str = "fused",
-                position_weight: str = "decay", dpace_alpha: float = 0.5,
-                loss: str = "ce", vocab: torch.Tensor | VocabRows | None = None) -> tuple[torch.Tensor, BlockStats]:
+                position_weight: str = "decay", dpace_alpha: float = 0.5, loss: str = "ce",
+                vocab: torch.Tensor | VocabRows | None = None,
+                selector: SelectorObjective | None = None) -> tuple[torch.Tensor, BlockStats]:
     """``(loss, stats)`` for a packed batch given its anchors per row, in one forward.
 
     ``head`` provides the frozen target ``embed_tokens`` and ``lm_head``; ``features``
@@ -655,7 +737,7 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     blocks = lay_out(batch, anchors, drafter.block_size, features.device)
     value, tally = blocks_loss(drafter, head, features, blocks, gamma, compute_dtype=compute_dtype,
                                head_loss=head_loss, position_weight=position_weight, dpace_alpha=dpace_alpha,
-                               loss=loss, vocab=as_rows(vocab, head))
+                               loss=loss, vocab=as_rows(vocab, head), selector=selector)
     return value, block_stats(blocks, tally)
 
 
@@ -680,4 +762,4 @@ def batch_loss(drafter, head, features: torch.Tensor, batch, objective: Objectiv
     return dflash_loss(drafter, head, features, batch, batch_anchors(batch, o.num_anchors, o.seed, epoch, batch_id),
                        o.gamma, compute_dtype=o.compute_dtype, head_loss=o.head_loss,
                        position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss,
-                       vocab=batch_vocab(o, head, epoch, batch_id))
+                       vocab=batch_vocab(o, head, epoch, batch_id), selector=o.selector)

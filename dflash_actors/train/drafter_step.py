@@ -96,23 +96,33 @@ def drafter_step(drafter, head, features: torch.Tensor, batch, objective: Object
               if any(len(a) for a in g)]
     vocab = as_rows(batch_vocab(o, head, epoch, batch_id), head)
     options = dict(compute_dtype=o.compute_dtype, head_loss=o.head_loss, position_weight=o.position_weight,
-                   dpace_alpha=o.dpace_alpha, loss=o.loss, vocab=vocab, checkpoint_layers=checkpoint_layers)
+                   dpace_alpha=o.dpace_alpha, loss=o.loss, vocab=vocab, checkpoint_layers=checkpoint_layers,
+                   selector=o.selector)
     if len(groups) == 1:
         value, tally = blocks_loss(drafter, head, features, groups[0], o.gamma, **options)
         value.backward()
         return block_stats(groups[0], tally)
-    if o.position_weight == "dpace":
-        weights = []
+    sel = o.selector
+    own_norm = sel is not None and sel.weight > 0 and sel.norm == "own" and sel.misses == "skip"
+    selector_total = None
+    if o.position_weight == "dpace" or own_norm:
+        # What the whole batch's denominators need from the drafter's own outputs.
+        weights, hit_weights = [], []
         with torch.no_grad():
             for g in groups:
                 _, tally = blocks_loss(drafter, head, features, g, o.gamma, **options)
-                weights.append(dpace_weights(tally[3], g.valid, g.rows, o.dpace_alpha))
+                weights.append(dpace_weights(tally.hard, g.valid, g.rows, o.dpace_alpha)
+                               if o.position_weight == "dpace" else g.decay_weights(o.gamma))
+                hit_weights.append(tally.hit_weight)
+        if own_norm:
+            selector_total = sum(hit_weights)
     else:
         weights = [g.decay_weights(o.gamma) for g in groups]
     total = sum(w.sum() for w in weights)
     stats = None
     for g, w in zip(groups, weights):
-        value, tally = blocks_loss(drafter, head, features, g, o.gamma, weights=w, total_weight=total, **options)
+        value, tally = blocks_loss(drafter, head, features, g, o.gamma, weights=w, total_weight=total,
+                                   selector_total=selector_total, **options)
         value.backward()
         del value
         s = block_stats(g, tally)

@@ -48,6 +48,7 @@ import torch
 
 from ..data.batching import ring_fields
 from ..models import loss as L
+from ..models.drafter import dflash2_fields
 from ..models.target import resolve_dtype
 from ..runtime.channels import RingSpec
 from . import memtrace
@@ -245,6 +246,8 @@ class _Traces:
         self.simulate = cfg.runtime.simulate.enabled
         self.cache = Path(cfg.data.cache_dir) / "memtrace"
         self.done: dict[str, object] = {}
+        fields = dflash2_fields(cfg.drafter)
+        self.arch = {} if fields is None else {"dflash2": fields}     # a DFlash's keys as before
 
     def _cached(self, name: str, **kwargs):
         """``memtrace``'s function ``name`` of the target's config and ``kwargs``."""
@@ -278,7 +281,8 @@ class _Traces:
             feature_layers=len(inp.layer_ids), head_dtype=resolve_dtype(cfg.target.dtype, torch.device(device_type)),
             autocast_bf16=(cuda and compute != "float32") or (not cuda and compute == "bfloat16"), cuda=cuda,
             rows=rows, ctx_len=ctx, anchors=anchors, checkpoint_layers=ckpt,
-            head_loss="checkpointed" if cfg.train.head_loss == "checkpointed" else "fused", loss=cfg.train.loss)
+            head_loss="checkpointed" if cfg.train.head_loss == "checkpointed" else "fused", loss=cfg.train.loss,
+            **self.arch)
 
     def forward(self, device_type: str, rows: int, length: int) -> memtrace.StepTrace:
         return self._cached("trace_target_forward",
@@ -292,12 +296,13 @@ class _Traces:
     def drafter_numel(self) -> int:
         cfg = self.inp.cfg
         return self._cached("drafter_numel", layers=cfg.drafter.num_layers, block_size=self.B,
-                            feature_layers=len(self.inp.layer_ids))
+                            feature_layers=len(self.inp.layer_ids), **self.arch)
 
     def optimizer(self) -> memtrace.StepTrace:
         cfg = self.inp.cfg
         return self._cached("trace_optimizer_step", layers=cfg.drafter.num_layers, block_size=self.B,
-                            feature_layers=len(self.inp.layer_ids), drafters=cfg.topology.num_drafters)
+                            feature_layers=len(self.inp.layer_ids), drafters=cfg.topology.num_drafters,
+                            **self.arch)
 
 
 @functools.cache
@@ -307,10 +312,10 @@ def _code_version() -> str:
     import transformers
 
     from ..data import batching
-    from ..models import drafter, target
+    from ..models import dflash2, drafter, target
     from . import optim
     parts = [torch.__version__, transformers.__version__]
-    for module in (memtrace, L, drafter, target, batching, optim):
+    for module in (memtrace, L, drafter, dflash2, target, batching, optim):
         parts.append(hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest())
     return ":".join(parts)
 

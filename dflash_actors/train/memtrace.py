@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..data.batching import Batch
 from ..models import loss as L
+from ..models.dflash2 import SelectorObjective
 from ..models.drafter import DFlashDrafter, drafter_config
 
 
@@ -143,19 +144,21 @@ def spread_anchors(rows: int, length: int, anchors: int) -> list[np.ndarray]:
 
 def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_layers: int, head_dtype: torch.dtype,
                        autocast_bf16: bool, cuda: bool, rows: int, ctx_len: int, anchors: int,
-                       checkpoint_layers: bool = False, head_loss: str = "fused", loss: str = "ce") -> StepTrace:
+                       checkpoint_layers: bool = False, head_loss: str = "fused", loss: str = "ce",
+                       dflash2: dict | None = None) -> StepTrace:
     """One micro-batch of ``rows`` rows of ``ctx_len`` tokens with ``anchors`` anchors each
     through the real ``blocks_loss`` and backward, for a drafter of ``layers`` layers shaped
     like ``target_config`` reading ``feature_layers`` target layers (and the teacher's last
     layer with ``loss="distill"``). ``cuda``: attention as on a GPU (flex), else the CPU's
     own (a dense mask for sdpa). Gradients exist already (a running sum), as from a
-    step's second micro-batch on."""
+    step's second micro-batch on. ``dflash2``: a DFlash2's sizes (``drafter.dflash2_fields``),
+    its selector term included."""
     H, V = int(target_config.hidden_size), int(target_config.vocab_size)
     batch = packed_batch(rows, ctx_len)
     blocks = L.lay_out(batch, spread_anchors(rows, ctx_len, anchors), block_size, "cpu")
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
         drafter = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                               "trace", V))
+                                               "trace", V, dflash2))
         for p in drafter.parameters():
             p.grad = torch.zeros_like(p)
         head = SimpleNamespace(embed_tokens=torch.nn.Embedding(V, H, dtype=head_dtype).requires_grad_(False),
@@ -170,7 +173,8 @@ def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_l
             with saved_bytes(start, saved):
                 value, _ = L.blocks_loss(drafter, head, features, blocks, 7.0,
                                          compute_dtype="bfloat16" if autocast_bf16 else "float32",
-                                         head_loss=head_loss, loss=loss, checkpoint_layers=checkpoint_layers)
+                                         head_loss=head_loss, loss=loss, checkpoint_layers=checkpoint_layers,
+                                         selector=None if dflash2 is None else SelectorObjective())
             value.backward()
             del value
     return StepTrace(saved[0], live.peak)
@@ -228,17 +232,18 @@ def target_numel(target_config) -> int:
         return sum(p.numel() for p in model.parameters())
 
 
-def drafter_numel(target_config, layers: int, block_size: int, feature_layers: int) -> int:
+def drafter_numel(target_config, layers: int, block_size: int, feature_layers: int,
+                  dflash2: dict | None = None) -> int:
     """Parameters of a drafter of ``layers`` layers for ``target_config``, built without memory."""
     V = int(target_config.vocab_size)
     with torch._subclasses.fake_tensor.FakeTensorMode():
         d = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                         "count", V))
+                                         "count", V, dflash2))
         return sum(p.numel() for p in d.parameters())
 
 
 def trace_optimizer_step(target_config, *, layers: int, block_size: int, feature_layers: int,
-                         drafters: int) -> StepTrace:
+                         drafters: int, dflash2: dict | None = None) -> StepTrace:
     """The optimizer actor's step (``optim.reduce_and_step``: the drafters' sums read one
     at a time from host memory, clip, AdamW) for a drafter of this shape, with AdamW's
     multi-tensor path as on a GPU; moments are created by the step, so they are counted.
@@ -247,7 +252,7 @@ def trace_optimizer_step(target_config, *, layers: int, block_size: int, feature
     V = int(target_config.vocab_size)
     with torch._subclasses.fake_tensor.FakeTensorMode():
         d = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                         "trace", V))
+                                         "trace", V, dflash2))
         params = list(d.parameters())
         shards = [[torch.empty_like(p) for p in params] for _ in range(drafters)]
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)

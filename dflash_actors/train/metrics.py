@@ -8,7 +8,8 @@ run leaves the rows before its resume point empty, and ``read_steps`` returns th
 steps this run took. Python floats are float64, so the tables hold them exactly and
 the per-step loss can be compared bit for bit with the reference trainer.
 
-    batch_stats [total_batches, 5 + 2*B]   blocks, accepted, sum(CE*w), sum(w), tokens,
+    batch_stats [total_batches, 8 + 2*B]   blocks, accepted, sum(CE*w), sum(w), tokens,
+                                           selector (1.0: a DFlash2's), base_accepted, hits,
                                            slot_correct[B], slot_total[B]
     step_stats  [total_steps, 8]           loss, tau, lr, grad_norm, tokens, time (unix),
                                            skipped (1.0: not applied, non-finite), done (1.0)
@@ -26,8 +27,12 @@ from ..models.loss import BlockStats
 STEP_COLS = ("loss", "tau", "lr", "grad_norm", "tokens", "time", "skipped", "done")
 
 
+SLOTS_AT = 8
+"""Column of ``slot_correct[0]`` in ``batch_stats``."""
+
+
 def batch_table(n_batches: int, block_size: int) -> torch.Tensor:
-    return torch.zeros(n_batches, 5 + 2 * block_size, dtype=torch.float64).share_memory_()
+    return torch.zeros(n_batches, SLOTS_AT + 2 * block_size, dtype=torch.float64).share_memory_()
 
 
 def step_table(n_steps: int) -> torch.Tensor:
@@ -37,16 +42,17 @@ def step_table(n_steps: int) -> torch.Tensor:
 def write_batch(table: torch.Tensor, row: int, stats: BlockStats, tokens: int) -> None:
     B = len(stats.slot_correct)
     r = table[row]
-    r[0], r[1], r[2], r[3], r[4] = stats.blocks, stats.accepted, stats.weighted_ce, stats.weight, tokens
-    r[5:5 + B] = stats.slot_correct.double()
-    r[5 + B:5 + 2 * B] = stats.slot_total.double()
+    r[:SLOTS_AT] = torch.tensor([stats.blocks, stats.accepted, stats.weighted_ce, stats.weight, tokens,
+                                 float(stats.selector), stats.base_accepted, stats.hits], dtype=torch.float64)
+    r[SLOTS_AT:SLOTS_AT + B] = stats.slot_correct.double()
+    r[SLOTS_AT + B:SLOTS_AT + 2 * B] = stats.slot_total.double()
 
 
 def read_batch(table: torch.Tensor, row: int) -> tuple[BlockStats, int]:
     r = table[row]
-    B = (len(r) - 5) // 2
-    stats = BlockStats(int(r[0]), int(r[1]), r[5:5 + B].long(), r[5 + B:5 + 2 * B].long(),
-                       float(r[2]), float(r[3]))
+    B = (len(r) - SLOTS_AT) // 2
+    stats = BlockStats(int(r[0]), int(r[1]), r[SLOTS_AT:SLOTS_AT + B].long(), r[SLOTS_AT + B:SLOTS_AT + 2 * B].long(),
+                       float(r[2]), float(r[3]), bool(r[5]), int(r[6]), int(r[7]))
     return stats, int(r[4])
 
 

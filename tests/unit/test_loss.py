@@ -557,7 +557,7 @@ def test_fused_ce_values_and_gradient_of_a_weighted_sum():
     h = torch.randn(23, 16, generator=g, dtype=torch.float64).float().requires_grad_()
     W = torch.randn(50, 16, generator=g)
     lab, w = torch.randint(0, 50, (23,), generator=g), torch.rand(23, generator=g)
-    ce, pred, hard = L.fused_ce(h, W, lab)
+    ce, pred, hard, cand = L.fused_ce(h, W, lab, top_k=5)      # and a DFlash2's candidates
     (ce * w).sum().backward()
     h2 = h.detach().clone().requires_grad_()
     logits = h2 @ W.T
@@ -566,7 +566,8 @@ def test_fused_ce_values_and_gradient_of_a_weighted_sum():
     torch.testing.assert_close(ce, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(hard, ce.detach())
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-7)
-    assert torch.equal(pred, logits.argmax(-1))
+    assert torch.equal(pred, logits.argmax(-1)) and torch.equal(cand, logits.topk(5).indices)
+    assert L.fused_ce(h, W, lab)[3].shape == (23, 0)
     with pytest.raises(ValueError, match="frozen"):
         L.fused_ce(h, W.clone().requires_grad_(), lab)
 

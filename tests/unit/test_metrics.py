@@ -37,7 +37,7 @@ def _assert_same(a, b):
 
 def test_tables_shape_and_dtype():
     t = batch_table(7, B)
-    assert t.shape == (7, 5 + 2 * B) and t.dtype == torch.float64 and t.is_shared()
+    assert t.shape == (7, 8 + 2 * B) and t.dtype == torch.float64 and t.is_shared()
     s = step_table(3)
     assert s.shape == (3, len(STEP_COLS)) and s.dtype == torch.float64 and s.is_shared()
 
@@ -52,7 +52,13 @@ def test_write_read_batch_round_trip_is_exact():
     assert tokens == 2**24 + 1
     assert got.slot_correct.dtype == torch.long and got.slot_total.dtype == torch.long
     # Neighbouring rows are untouched.
-    assert torch.equal(t[0], torch.zeros(5 + 2 * B)) and torch.equal(t[2], torch.zeros(5 + 2 * B))
+    assert torch.equal(t[0], torch.zeros(8 + 2 * B)) and torch.equal(t[2], torch.zeros(8 + 2 * B))
+    # A DFlash2's selector fields too.
+    st.selector, st.base_accepted, st.hits = True, 2**30 + 1, 2**26 + 5
+    write_batch(t, 2, st, tokens=1)
+    got, _ = read_batch(t, 2)
+    _assert_same(got, st)
+    assert (got.selector, got.base_accepted, got.hits) == (True, 2**30 + 1, 2**26 + 5)
 
 
 def test_fold_step_sums_in_drafter_order():

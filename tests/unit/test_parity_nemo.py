@@ -1,0 +1,36 @@
+"""The DFlash2 step equals NeMo Automodel's own (``benchmarks/parity_dflash2.py``): its
+``DFlash2TrainerModule`` imported unmodified from a snapshot of the public repository.
+Skipped where no snapshot is reachable (``benchmarks.nemo_dflash2.nemo_root``)."""
+
+import pytest
+
+from benchmarks import nemo_dflash2 as nemo
+
+pytestmark = pytest.mark.skipif(nemo.nemo_root() is None, reason="no NeMo Automodel snapshot here")
+
+
+@pytest.fixture(scope="module")
+def parity():
+    from benchmarks import parity_dflash2
+    assert nemo.load_nemo() is not None
+    return parity_dflash2
+
+
+@pytest.mark.parametrize("holes", [True, False])
+def test_loss_gradients_acceptance_and_walk_equal_nemos(parity, holes):
+    out = parity.case(holes=holes)
+    assert out["ok"], out
+    assert out["grads"] == 36 and out["candidate_recall"] > 0
+    if not holes:       # acceptances that differ between the selector and the argmax
+        assert out["tau"] > 1 and out["tau_unary"] > 1 and out["tau"] != out["tau_unary"]
+
+
+def test_the_check_sees_another_normalisation_and_a_leaking_convolution(parity, monkeypatch):
+    from dflash_actors.models import dflash2
+
+    other = parity.case(holes=True, objective=dflash2.SelectorObjective(1.0, "dflash", "skip", "full"))
+    assert not other["ok"] and other["loss_rel_diff"] > 1e-3
+    block_conv = dflash2.block_conv
+    monkeypatch.setattr(dflash2, "block_conv", lambda x, d, base, _block: block_conv(x, d, base, x.shape[1]))
+    leaking = parity.case(holes=True)
+    assert not leaking["ok"] and leaking["grad_max_rel_diff"] > 1e-2
