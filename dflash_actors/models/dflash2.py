@@ -63,9 +63,9 @@ class BlockConv(nn.Module):
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
         super().__init__()
         if kernel_size < 1:
-            raise ValueError(f"conv_kernel_size must be >= 1 (got {kernel_size})")
+            raise ValueError(f"drafter.conv_kernel_size: must be >= 1 (got {kernel_size})")
         if group_size < 1 or hidden_size % group_size:
-            raise ValueError(f"conv_group_size {group_size} must divide the hidden size {hidden_size}")
+            raise ValueError(f"drafter.conv_group_size: {group_size} must divide the hidden size {hidden_size}")
         self.taps, self.groups, self.block_size = kernel_size, hidden_size // group_size, block_size
         self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
@@ -91,9 +91,9 @@ class CandidateSelector(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
         super().__init__()
         if rank < 1:
-            raise ValueError(f"selector_rank must be >= 1 (got {rank})")
+            raise ValueError(f"drafter.selector_rank: must be >= 1 (got {rank})")
         if not 1 <= top_k <= vocab_size:
-            raise ValueError(f"selector_top_k must be in 1..{vocab_size} (got {top_k})")
+            raise ValueError(f"drafter.selector_top_k: must be in 1..{vocab_size}, the vocabulary (got {top_k})")
         self.top_k = top_k
         # Bare parameters, not nn.Embedding: the published key has no ``.weight``.
         self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))

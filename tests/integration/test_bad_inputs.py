@@ -200,6 +200,14 @@ CASES = {
     "empty target path": (["--set", "target.path=''"], ["target.path", "must not be empty"]),
     "target vocabulary smaller than the data": (["--set", "target.path={d}/small_vocab"],
                                                 ["data-00000-of-00001.arrow: row ", "outside [0, 64)"]),
+    # DFlash2's sizes against the target, and its head
+    "dflash2 group not dividing the hidden size": (["--set", "drafter.arch=dflash2",
+                                                    "--set", "drafter.conv_group_size=7"],
+                                                   ["drafter.conv_group_size: 7 must divide the hidden size"]),
+    "dflash2 more candidates than tokens": (["--set", "drafter.arch=dflash2", "--set", "drafter.selector_top_k=10000"],
+                                            ["drafter.selector_top_k: must be in 1..", "(got 10000)"]),
+    "dflash2 over the data's head rows": (["--set", "drafter.arch=dflash2", "--set", "train.head_vocab=data"],
+                                          ["train.head_vocab: dflash2 needs full"]),
     "--plan-only checks the target too": (["--plan-only", "--set", "target.path={d}/small_vocab"],
                                           ["data-00000-of-00001.arrow: row ", "outside [0, 64)"]),
 }
