@@ -170,9 +170,12 @@ class Monitor:
                 stages[role] = {"busy_s": round(b, 4),
                                 "wait_s": round(max(0.0, count * interval - b), 4) if interval else None}
         skipped = bool(row["skipped"])
+        m = stats.metrics()
+        # A DFlash2's tau and slots are its selector's; its head's argmax and recall beside them.
+        extra = {k: m[k] for k in ("tau_unary", "candidate_recall") if k in m and not skipped}
         return {"kind": "step", "step": s + 1, "epoch": sched.epoch_of_step(s) + 1, "time": round(row["time"], 3),
-                "loss": None if skipped else row["loss"], "tau": None if skipped else row["tau"],
-                "slot_acc": stats.metrics()["slot_acc"], "lr": row["lr"], "grad_norm": finite(row["grad_norm"]),
+                "loss": None if skipped else row["loss"], "tau": None if skipped else row["tau"], **extra,
+                "slot_acc": m["slot_acc"], "lr": row["lr"], "grad_norm": finite(row["grad_norm"]),
                 "tokens": int(row["tokens"]), "tokens_per_s": round(row["tokens"] / interval, 1) if interval else None,
                 "skipped": skipped, "stages": stages}
 
