@@ -74,6 +74,8 @@ VARIANTS = {
                     "drafter.arch=dflash2", "drafter.selector_rank=32"],
     "dflash2_r128": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=full",
                      "drafter.arch=dflash2", "drafter.selector_rank=128"],
+    "dflash2_r32_stop": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=full",
+                         "drafter.arch=dflash2", "drafter.selector_rank=32", "train.selector_grad=stop"],
     # The anchors' default recipe, whole: random init, decay gamma, CE, lr 6e-4 with 4%
     # warmup and a cosine, the exact head.
     "control": ["drafter.init=random", "train.position_weight=decay", "train.loss=ce", "train.lr=6e-4",
