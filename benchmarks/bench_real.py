@@ -191,6 +191,9 @@ def main(argv=None) -> dict:
            "real_tau_trained": round(res["trained"]["real"]["tau"], 3),
            "real_tau_untrained": round(res["untrained"]["real"]["tau"], 3),
            "real_tau_baseline": round(res[best]["real"]["tau"], 3), "baseline": best,
+           # 95% bootstrap intervals over prompts; the ratio's paired by prompt (eval.intervals).
+           "real_tau_trained_ci95": res["trained"]["real"]["tau_ci95"],
+           "ratio": res["trained"]["ratio_to"][best]["ratio"], "ratio_ci95": res["trained"]["ratio_to"][best]["ci95"],
            "simulated_tau_trained": round(res["trained"]["simulated"]["tau"], 3),
            "real_tau_pooled_trained": round(res["trained"]["real"]["tau_pooled"], 3),
            "real_tau_clipped_trained": round(res["trained"]["real"]["tau_clipped"], 3),
@@ -232,6 +235,8 @@ def main(argv=None) -> dict:
         out["external"] = {"prompts": ext["num_prompts"], "real_tau_trained": round(res["trained"]["real"]["tau"], 3),
                            "real_tau_baseline": round(res[best]["real"]["tau"], 3), "baseline": best,
                            "ratio": round(res["trained"]["real"]["tau"] / res[best]["real"]["tau"], 3),
+                           "ratio_ci95": res["trained"]["ratio_to"][best]["ci95"],
+                           "real_tau_trained_ci95": res["trained"]["real"]["tau_ci95"],
                            "lossless": bool(res["trained"]["real"]["lossless"]),
                            "lossless_up_to_ties": bool(res["trained"]["real"]["lossless_up_to_ties"]),
                            "mismatches": res["trained"]["real"]["mismatches"],

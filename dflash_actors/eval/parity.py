@@ -39,6 +39,7 @@ from ..models.target import TargetModel, resolve_target_dir
 from ..train.checkpoint import STATE_FILE, latest_checkpoint, load_trainer_state
 from .decode import NgramProposer, repeat_proposer
 from .generate import stop_ids
+from .intervals import ratio_interval
 from .prepare import (
     PrepareError,
     TemplateSettings,
@@ -192,6 +193,13 @@ def parity_report(target, prompts: list[torch.Tensor], drafters: dict, proposers
         t = time.perf_counter()
         rows = [proposer_correct(propose, x, len(p), B) for p, x in zip(prompts, tt.texts)]
         _record(out, log, parity(name, rows, tt, B), t)
+    res = out["results"]
+    mine = res["trained"]["real"]["per_prompt"]
+    # Every proposer went over the same prompts' texts: the ratio's interval is paired by prompt.
+    res["trained"]["ratio_to"] = {
+        name: {"ratio": round(float(np.mean(mine)) / float(np.mean(r["real"]["per_prompt"])), 4),
+               "ci95": ratio_interval(mine, r["real"]["per_prompt"])}
+        for name, r in res.items() if name != "trained"}
     return out
 
 
@@ -224,6 +232,12 @@ def format_report(report: dict) -> str:
         lossless = f"{real['lossless_prompts']:>4}/{real['prompts']:<4}" if real["decoded"] == "real" else "replayed"
         lines.append(f"{name:10} {real['tau']:8.3f} {real['tau_pooled']:7.3f} {sim['tau']:8.3f} "
                      f"{r['sim_vs_real']:6.1%} {real['tokens_per_target_call']:8.2f} {lossless:>9}  {pos}")
+    trained = report["results"]["trained"]
+    if trained["real"].get("tau_ci95"):
+        lo, hi = trained["real"]["tau_ci95"]
+        ratios = "; ".join(f"{name} x{r['ratio']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+                           for name, r in trained.get("ratio_to", {}).items() if r["ci95"])
+        lines.append(f"trained real tau 95% interval over prompts [{lo:.3f}, {hi:.3f}]; against each: {ratios}")
     g = report["greedy"]
     lines.append(f"plain greedy decoding (KV cache): {g['tokens_per_target_call']:.2f} tokens per target call, "
                  f"{g['wall_s']:.0f} s. " + report["tau_counting"] + ".")

@@ -41,6 +41,7 @@ from .decode import (
     replay,
     speculative_generate_rows,
 )
+from .intervals import mean_interval
 from .prepare import prompts_of, regenerate
 
 
@@ -138,7 +139,8 @@ def decode_stats(gens: list[Generation], prompt_lens: list[int], max_new_tokens:
     """Real tau of generations, one per prompt.
 
     ``tau`` is z-lab's figure: per prompt the mean tokens per verify step (the last step
-    in full), then the mean over prompts. ``tau_pooled`` pools every verify step;
+    in full), then the mean over prompts (``per_prompt``), with its 95% bootstrap interval
+    over prompts (``tau_ci95``, ``eval.intervals``). ``tau_pooled`` pools every verify step;
     ``tau_clipped`` counts only tokens within ``max_new_tokens`` (what replaying
     simulated acceptances over the same text gives, see ``walk_tau``). ``lossless``
     compares each output with its entry of ``references``.
@@ -155,7 +157,9 @@ def decode_stats(gens: list[Generation], prompt_lens: list[int], max_new_tokens:
         calls += g.target_calls
         generated += len(g.ids) - P
     lossless = sum(torch.equal(g.ids, r) for g, r in zip(gens, references))
-    return {"tau": float(np.mean([np.mean(g.lengths) for g in gens])), "tau_pooled": float(np.mean(pooled)),
+    per_prompt = [float(np.mean(g.lengths)) for g in gens]
+    return {"tau": float(np.mean(per_prompt)), "tau_ci95": mean_interval(per_prompt),
+            "per_prompt": [round(t, 4) for t in per_prompt], "tau_pooled": float(np.mean(pooled)),
             "tau_clipped": clipped_tokens / max(1, clipped_steps),
             "per_position": conditional_acceptance(accepted, block_size - 1),
             "verify_steps": len(pooled), "prompts": len(gens),

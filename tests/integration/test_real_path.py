@@ -153,6 +153,14 @@ def test_evaluate_reports_parity_and_refuses_a_template_mismatch(chat, cache_dir
         assert r["real"]["lossless"] and 1.0 <= r["real"]["tau"] <= 4 and len(r["real"]["per_position"]) == 3
         assert 1.0 <= r["simulated"]["tau"] <= 4
     assert "matches" in report["template_check"] and "real tau" in out and "z-lab" in out
+    # Intervals over the 4 prompts: tau's around its mean, each ratio's paired by prompt.
+    trained = report["results"]["trained"]
+    lo, hi = trained["real"]["tau_ci95"]
+    assert lo <= trained["real"]["tau"] <= hi and len(trained["real"]["per_prompt"]) == 4
+    assert set(trained["ratio_to"]) == {"untrained", "ngram", "repeat"}
+    for r in trained["ratio_to"].values():
+        assert r["ci95"][0] <= r["ratio"] <= r["ci95"][1]
+    assert "95% interval over prompts" in out
     # The dataset was made without a system prompt: evaluating with one is refused.
     assert evaluate_main(argv + ["--system-prompt", "You are terse."]) == 2
     err = capsys.readouterr().err.strip().splitlines()

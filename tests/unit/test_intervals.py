@@ -1,0 +1,40 @@
+"""Bootstrap intervals over prompts (``eval.intervals``): seeded, around the estimate, narrower
+with more prompts, and paired for a ratio of two proposers on the same prompts."""
+
+import numpy as np
+import pytest
+
+from dflash_actors.eval.intervals import mean_interval, ratio_interval
+
+
+def test_a_mean_interval_holds_the_mean_and_narrows_with_more_prompts():
+    rng = np.random.default_rng(0)
+    few, many = rng.normal(1.4, 0.3, 16), rng.normal(1.4, 0.3, 256)
+    for v in (few, many):
+        lo, hi = mean_interval(v)
+        assert lo < float(np.mean(v)) < hi
+    assert np.diff(mean_interval(many))[0] < 0.5 * np.diff(mean_interval(few))[0]
+    assert mean_interval(few) == mean_interval(few)                  # seeded
+    assert mean_interval(few, seed=1) != mean_interval(few)
+    assert mean_interval([1.3]) is None and mean_interval([1.2, 1.2, 1.2]) == [1.2, 1.2]
+
+
+def test_about_95_of_100_intervals_cover_the_true_mean():
+    rng = np.random.default_rng(1)
+    covered = 0
+    for i in range(100):
+        lo, hi = mean_interval(rng.exponential(1.0, 64) + 1.0, draws=1000, seed=i)
+        covered += lo <= 2.0 <= hi
+    assert 85 <= covered <= 100
+
+
+def test_the_ratio_is_paired_by_prompt():
+    """A drafter 10% better than the baseline on every prompt, with prompts far apart: paired,
+    the ratio's interval is 1.1 exactly; unpaired draws would spread it widely."""
+    base = np.random.default_rng(2).uniform(1.0, 3.0, 40)
+    assert ratio_interval(1.1 * base, base) == [1.1, 1.1]
+    lo, hi = ratio_interval(base + np.random.default_rng(3).normal(0, 0.05, 40), base)
+    assert lo < 1.0 < hi
+    with pytest.raises(ValueError, match="paired by prompt"):
+        ratio_interval(base, base[:-1])
+    assert ratio_interval([1.5], [1.2]) is None
