@@ -125,7 +125,8 @@ def heldout_metrics(drafter, target, texts, vocab=None) -> dict:
     import numpy as np
     import torch
 
-    from dflash_actors.eval.tau import drafter_correct, text_metrics, walk_tau
+    from dflash_actors.eval.intervals import pooled_interval
+    from dflash_actors.eval.tau import drafter_correct, text_metrics, walk_counts, walk_tau
 
     correct, valid = [], []
     for i in range(len(texts)):
@@ -134,7 +135,9 @@ def heldout_metrics(drafter, target, texts, vocab=None) -> dict:
         correct.append(c)
         valid.append(v)
     sim = text_metrics(np.concatenate(correct), np.concatenate(valid))
-    out = {"walk_tau": round(walk_tau(drafter, target, texts), 4), "simulated_tau": round(sim["tau"], 4),
+    tokens, steps = walk_counts(drafter, target, texts)
+    out = {"walk_tau": round(sum(tokens) / max(sum(steps), 1), 4), "walk_ci95": pooled_interval(tokens, steps),
+           "walk_tokens": tokens, "walk_steps": steps, "simulated_tau": round(sim["tau"], 4),
            "slot_acc": sim["per_position"][:2], "per_position": sim["per_position"]}
     selector = drafter.candidate_selector
     if selector is not None:
@@ -281,7 +284,8 @@ def run_variant(name: str, base: list[str], steps: int | None, marks: set[int], 
             recent = result_losses[-5:] + [m["loss"]]
             rows.append({"step": step, "loss": round(sum(recent[-5:]) / len(recent[-5:]), 4), **h,
                          "s_per_step": round((t_train + t_last[1]) / step, 2)})
-            say(f"{name} step {step}: {rows[-1]}")
+            shown = {k: v for k, v in rows[-1].items() if k not in ("walk_tokens", "walk_steps")}
+            say(f"{name} step {step}: {shown}")
             t_last[1] += t_train
             t_last[0] = time.perf_counter()
         result_losses.append(m["loss"])
@@ -297,15 +301,42 @@ def run_variant(name: str, base: list[str], steps: int | None, marks: set[int], 
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| variant | first loss | step | loss (mean of 5) | held-out walk tau | its argmax's (DFlash2) "
-             "| per-slot acceptance | s/step | training min |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | first loss | step | loss (mean of 5) | held-out walk tau [95% over texts] "
+             "| its argmax's (DFlash2) | per-slot acceptance | s/step | training min |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for m in r["marks"]:
-            lines.append(f"| {r['variant']} | {r['first_loss']} | {m['step']} | {m['loss']} | {m['walk_tau']} | "
+            ci = f" [{m['walk_ci95'][0]}, {m['walk_ci95'][1]}]" if m.get("walk_ci95") else ""
+            lines.append(f"| {r['variant']} | {r['first_loss']} | {m['step']} | {m['loss']} | "
+                         f"{m['walk_tau']}{ci} | "
                          f"{m.get('walk_tau_argmax', '-')} | "
                          f"{', '.join(str(x) for x in m.get('per_position', m['slot_acc']))} | {m['s_per_step']} | "
                          f"{m['s_per_step'] * m['step'] / 60:.1f} |")
+    diffs = versus_first(results)
+    if diffs:
+        lines += ["", f"Last mark against {results[0]['variant']} on the same held-out texts (walk tau "
+                  "difference, 95% paired bootstrap interval over texts):", ""]
+        lines += [f"- {name}: {d['difference']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
+                  for name, d in diffs.items()]
     return "\n".join(lines)
+
+
+def versus_first(results: list[dict]) -> dict:
+    """Each variant's last walk tau minus the first variant's, with the paired bootstrap
+    interval over the held-out texts (marks that recorded each text's walk only)."""
+    from dflash_actors.eval.intervals import pooled_difference_interval
+
+    if not results or not results[0]["marks"] or "walk_tokens" not in results[0]["marks"][-1]:
+        return {}
+    first = results[0]["marks"][-1]
+    out = {}
+    for r in results[1:]:
+        last = r["marks"][-1] if r["marks"] else {}
+        if "walk_tokens" in last:
+            out[r["variant"]] = {"difference": round(last["walk_tau"] - first["walk_tau"], 4),
+                                 "ci95": pooled_difference_interval((last["walk_tokens"], last["walk_steps"]),
+                                                                    (first["walk_tokens"], first["walk_steps"]))}
+    return out
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -406,6 +437,7 @@ def main(argv=None) -> int:
         results = [run_variant(v, base, steps, marks, texts, args.minutes, cache_root) for v in names]
     out = {"bench": "recipe", "target": "SmolLM2-135M-Instruct", "data": args.data, "heldout": args.heldout,
            "heldout_texts": len(texts), "overrides": args.overrides, "results": results,
+           "versus_first": versus_first(results),
            **({"minutes": args.minutes, "parallel": args.parallel, "feature_fill_s": fill} if args.minutes
               else {"steps": args.steps})}
     tag = f"minutes-{args.minutes:g}" if args.minutes else f"{args.steps}"

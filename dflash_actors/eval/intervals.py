@@ -46,3 +46,29 @@ def ratio_interval(numerator, denominator, level: float = LEVEL, draws: int = DR
         return None
     idx = _draws(len(a), draws, seed)
     return _bounds(a[idx].mean(axis=1) / b[idx].mean(axis=1), level)
+
+
+def pooled_interval(tokens, steps, level: float = LEVEL, draws: int = DRAWS, seed: int = 0) -> list[float] | None:
+    """The bootstrap interval over texts of ``sum(tokens) / sum(steps)`` (a pooled tau: each
+    text's tokens and verify steps)."""
+    t, s = np.asarray(tokens, dtype=np.float64), np.asarray(steps, dtype=np.float64)
+    if len(t) < 2:
+        return None
+    idx = _draws(len(t), draws, seed)
+    return _bounds(t[idx].sum(axis=1) / np.maximum(s[idx].sum(axis=1), 1), level)
+
+
+def pooled_difference_interval(a: tuple, b: tuple, level: float = LEVEL, draws: int = DRAWS,
+                               seed: int = 0) -> list[float] | None:
+    """The paired bootstrap interval over texts of ``pooled(a) - pooled(b)``, each a
+    ``(tokens, steps)`` per text of the same texts: two drafters on one held-out set."""
+    (ta, sa), (tb, sb) = [tuple(np.asarray(x, dtype=np.float64) for x in pair) for pair in (a, b)]
+    if len(ta) != len(tb):
+        raise ValueError(f"pooled_difference_interval: {len(ta)} texts against {len(tb)} (paired by text)")
+    if len(ta) < 2:
+        return None
+    idx = _draws(len(ta), draws, seed)
+
+    def pooled(t, s):
+        return t[idx].sum(axis=1) / np.maximum(s[idx].sum(axis=1), 1)
+    return _bounds(pooled(ta, sa) - pooled(tb, sb), level)

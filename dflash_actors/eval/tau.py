@@ -65,17 +65,26 @@ def walk_tau(drafter, target, dataset) -> float:
     real tau (up to float noise); the gap to ``simulated_tau`` is then only weighting:
     simulated tau averages over every position, decoding visits fewer positions where
     acceptance is long, so uneven acceptance makes simulated tau the larger."""
-    tokens = steps = 0
+    tokens, steps = walk_counts(drafter, target, dataset)
+    return sum(tokens) / max(sum(steps), 1)
+
+
+@torch.no_grad()
+def walk_counts(drafter, target, dataset) -> tuple[list[int], list[int]]:
+    """``walk_tau``'s tokens and verify steps per text (for intervals over texts)."""
+    tokens, steps = [], []
     for i in range(len(dataset)):
         ids, mask = dataset.sample(i)
         L = len(ids)
         correct, _ = drafter_correct(drafter, target, torch.from_numpy(ids), mask)
         accept = dict(zip(anchor_candidates(mask).tolist(), (1 + np.cumprod(correct, axis=1).sum(1)).tolist()))
-        start = int(np.argmax(mask))
+        start, t, s = int(np.argmax(mask)), 0, 0
         while start + 1 < L:
             n = min(accept[start], L - start - 1)
-            tokens, steps, start = tokens + n, steps + 1, start + n
-    return tokens / max(steps, 1)
+            t, s, start = t + n, s + 1, start + n
+        tokens.append(t)
+        steps.append(s)
+    return tokens, steps
 
 
 def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,

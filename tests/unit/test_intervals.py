@@ -38,3 +38,20 @@ def test_the_ratio_is_paired_by_prompt():
     with pytest.raises(ValueError, match="paired by prompt"):
         ratio_interval(base, base[:-1])
     assert ratio_interval([1.5], [1.2]) is None
+
+
+def test_pooled_intervals_and_a_paired_difference_between_two_drafters():
+    from dflash_actors.eval.intervals import pooled_difference_interval, pooled_interval
+
+    rng = np.random.default_rng(4)
+    steps = rng.integers(20, 60, 64)
+    tokens = (steps * rng.uniform(1.2, 1.6, 64)).round()
+    lo, hi = pooled_interval(tokens, steps)
+    assert lo < tokens.sum() / steps.sum() < hi
+    # The same drafter twice: no difference, whatever the texts.
+    assert pooled_difference_interval((tokens, steps), (tokens, steps)) == [0.0, 0.0]
+    # One more token on every text's walk: paired, the difference stays clear of 0.
+    lo, hi = pooled_difference_interval((tokens + 1, steps), (tokens, steps))
+    assert 0 < lo <= hi
+    with pytest.raises(ValueError, match="paired by text"):
+        pooled_difference_interval((tokens, steps), (tokens[:-1], steps[:-1]))
