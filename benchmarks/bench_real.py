@@ -212,7 +212,10 @@ def main(argv=None) -> dict:
            "all": {k: {"real_tau": round(v["real"]["tau"], 3), "simulated_tau": round(v["simulated"]["tau"], 3)}
                    for k, v in res.items()},
            "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": str(run_dir),
-           "recipe": {"init": cfg.drafter.init, "position_weight": cfg.train.position_weight, "loss": cfg.train.loss,
+           "recipe": {"arch": cfg.drafter.arch,
+                      "selector_rank": cfg.drafter.selector_rank if cfg.drafter.arch == "dflash2" else None,
+                      "init": cfg.drafter.init, "position_weight": cfg.train.position_weight,
+                      "loss": cfg.train.loss,
                       "head_loss": cfg.train.head_loss, "head_vocab": cfg.train.head_vocab,
                       "num_anchors": cfg.train.num_anchors, "lr": cfg.train.lr, "warmup_ratio": cfg.train.warmup_ratio,
                       "lr_schedule": cfg.train.lr_schedule, "max_steps": cfg.train.max_steps,

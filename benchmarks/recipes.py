@@ -47,7 +47,8 @@ VARIANTS = {
     "init_target_dpace": ["drafter.init=target", "train.position_weight=dpace"],
     "distill": ["drafter.init=random", "train.position_weight=decay", "train.loss=distill"],
     "init_target_distill": ["drafter.init=target", "train.position_weight=decay", "train.loss=distill"],
-    # The SmolLM2 config's recipe, exact head against the head restricted to the data's tokens.
+    # The SmolLM2 config's recipe as it is (DFlash2 since 2026-12-06; DFlash over the sampled
+    # head before), exact head against the head restricted to the data's tokens.
     "default": ["drafter.init=random", "train.position_weight=dpace"],
     "head_vocab_data": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=data"],
     # Levers against the config's recipe ("default"), for --minutes (#37).
@@ -82,6 +83,19 @@ VARIANTS = {
                 "train.warmup_ratio=0.04", "train.lr_schedule=cosine", "train.head_vocab=full"],
 }
 """The anchors' recipe is random init, cross-entropy on the target's text, gamma decay."""
+
+BEFORE_DFLASH2 = ("drafter.arch=dflash", "train.head_vocab=sampled")
+"""What the SmolLM2 config set before it trained DFlash2 (2026-12-06): the variants written
+against it keep it (``overrides``), except ``default``, the config as it is."""
+
+
+def overrides(name: str) -> list[str]:
+    """A variant's overrides of the SmolLM2 config."""
+    own = VARIANTS[name]
+    if name == "default":
+        return list(own)
+    keys = {o.split("=")[0] for o in own}
+    return [o for o in BEFORE_DFLASH2 if o.split("=")[0] not in keys] + own
 
 CALIBRATION_S = 90.0
 """How long a ``--minutes`` variant times steps of its own before its run (the first
@@ -159,7 +173,7 @@ def variant_config(name: str, base: list[str], steps: int | None = None, epochs:
     from dflash_actors.data.dataset import open_dataset
     from dflash_actors.train.schedule import Schedule
 
-    cfg = load_config(CONFIG, base + VARIANTS[name])
+    cfg = load_config(CONFIG, base + overrides(name))
     if steps is None and epochs is None:
         return cfg
     per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1, "train.max_steps": 0}),
@@ -295,7 +309,7 @@ def run_variant(name: str, base: list[str], steps: int | None, marks: set[int], 
     if root is not None:
         import shutil
         shutil.rmtree(root, ignore_errors=True)
-    return {"variant": name, "overrides": VARIANTS[name], "steps": res.steps, "first_loss": round(res.losses[0], 3),
+    return {"variant": name, "overrides": overrides(name), "steps": res.steps, "first_loss": round(res.losses[0], 3),
             "marks": rows, "wall_s": round(time.perf_counter() - t, 1), "train_s": round(t_last[1], 1), **extra,
             **({} if vocab is None else {"vocab_rows": len(vocab)})}
 
