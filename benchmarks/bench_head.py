@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_actors.models.loss import VocabRows, head_ce, restricted_ce
+from dflash_actors.models.head_loss import VocabRows, head_ce, restricted_ce
 
 VOCAB, HIDDEN = 49152, 576
 ROWS = {"anchors_16": 2126, "anchors_64": 8400}

@@ -273,7 +273,7 @@ def run_variant(name: str, base: list[str], steps: int | None, marks: set[int], 
     import torch
 
     from dflash_actors.job.reference import train_reference
-    from dflash_actors.models.loss import training_vocab
+    from dflash_actors.models.head_loss import training_vocab
 
     root = variant_cache(variant_config(name, base), cache_root, name)
     extra = {}

@@ -28,10 +28,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..models.head_loss import as_rows
 from ..models.loss import (
     BlockStats,
     Objective,
-    as_rows,
     batch_anchors,
     batch_vocab,
     block_stats,

@@ -7,7 +7,7 @@ import numpy as np
 
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
-from dflash_actors.models.loss import training_vocab
+from dflash_actors.models.head_loss import training_vocab
 from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from dflash_actors.config import load_config
 from dflash_actors.data.batching import Batch
+from dflash_actors.models import head_loss as H
 from dflash_actors.models import loss as L
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
 from tests.support.oracle_loss import dflash_loss_per_sequence
@@ -471,7 +472,7 @@ def test_chunked_ce_matches_unchunked(setup, monkeypatch):
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in d.parameters()], stats
     whole = loss_and_grads()
-    monkeypatch.setattr(L, "CE_CHUNK_ROWS", 7)
+    monkeypatch.setattr(H, "CE_CHUNK_ROWS", 7)
     chunked = loss_and_grads()
     torch.testing.assert_close(chunked[0], whole[0], rtol=1e-6, atol=0)
     for a, b in zip(chunked[1], whole[1]):
@@ -531,13 +532,13 @@ def test_label_alignment_perfect_context(setup):
 # -- the frozen head: fused against checkpointed; D-PACE -------------------------
 
 
-@pytest.mark.parametrize("chunk", [L.CE_CHUNK_ROWS, 7])
+@pytest.mark.parametrize("chunk", [H.CE_CHUNK_ROWS, 7])
 def test_fused_head_equals_checkpointed(setup, monkeypatch, chunk):
     """The fused CE (gradient made in the forward) gives the checkpointed path's loss,
     stats and gradients, in one chunk and in many, for CE and for distillation (whose
     slots' extra columns plain CE must ignore)."""
     _, target, d = setup
-    monkeypatch.setattr(L, "CE_CHUNK_ROWS", chunk)
+    monkeypatch.setattr(H, "CE_CHUNK_ROWS", chunk)
     for batch, anchors in oracle_cases()[:2]:
         feats = distilling(target).features(batch)
         for weighting, loss in (("decay", "ce"), ("dpace", "ce"), ("decay", "distill"), ("dpace", "distill")):
@@ -557,7 +558,7 @@ def test_fused_ce_values_and_gradient_of_a_weighted_sum():
     h = torch.randn(23, 16, generator=g, dtype=torch.float64).float().requires_grad_()
     W = torch.randn(50, 16, generator=g)
     lab, w = torch.randint(0, 50, (23,), generator=g), torch.rand(23, generator=g)
-    ce, pred, hard, cand = L.fused_ce(h, W, lab, top_k=5)      # and a DFlash2's candidates
+    ce, pred, hard, cand = H.fused_ce(h, W, lab, top_k=5)      # and a DFlash2's candidates
     (ce * w).sum().backward()
     h2 = h.detach().clone().requires_grad_()
     logits = h2 @ W.T
@@ -567,21 +568,21 @@ def test_fused_ce_values_and_gradient_of_a_weighted_sum():
     assert torch.equal(hard, ce.detach())
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-7)
     assert torch.equal(pred, logits.argmax(-1)) and torch.equal(cand, logits.topk(5).indices)
-    assert L.fused_ce(h, W, lab)[3].shape == (23, 0)
+    assert H.fused_ce(h, W, lab)[3].shape == (23, 0)
     with pytest.raises(ValueError, match="frozen"):
-        L.fused_ce(h, W.clone().requires_grad_(), lab)
+        H.fused_ce(h, W.clone().requires_grad_(), lab)
 
 
 @pytest.mark.parametrize("how", ["fused", "checkpointed"])
 def test_distillation_rows_against_whole_logits(how, monkeypatch):
     """With teacher rows the loss is CE against softmax(teacher @ W.T), its gradient that
     of plain autograd, and the third result the CE against the labels, in chunks too."""
-    monkeypatch.setattr(L, "CE_CHUNK_ROWS", 10)
+    monkeypatch.setattr(H, "CE_CHUNK_ROWS", 10)
     g = torch.Generator().manual_seed(4)
     h = torch.randn(23, 16, generator=g).requires_grad_()
     W, t = torch.randn(50, 16, generator=g), torch.randn(23, 16, generator=g)
     lab, w = torch.randint(0, 50, (23,), generator=g), torch.rand(23, generator=g)
-    loss, pred, hard = L.head_ce(h, W, lab, how, teacher=t)
+    loss, pred, hard = H.head_ce(h, W, lab, how, teacher=t)
     (loss * w).sum().backward()
     h2 = h.detach().clone().requires_grad_()
     logits = h2 @ W.T
@@ -593,7 +594,7 @@ def test_distillation_rows_against_whole_logits(how, monkeypatch):
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-6 * float(h2.grad.abs().max()))
     assert torch.equal(pred, logits.argmax(-1))
     # The teacher's own rows as the drafter's: the loss is the teacher's entropy, the gradient zero.
-    same, _, _ = L.head_ce(t.clone().requires_grad_(), W, lab, how, teacher=t)
+    same, _, _ = H.head_ce(t.clone().requires_grad_(), W, lab, how, teacher=t)
     p = (t @ W.T).softmax(-1)
     torch.testing.assert_close(same, -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-5)
 
@@ -623,15 +624,15 @@ def test_dpace_weights_match_the_formula():
 def test_restricted_head_is_the_softmax_over_its_rows(how, distill, monkeypatch):
     """train.head_vocab=data: loss, gradient and argmax are those of plain autograd over
     the logits of the chosen rows only, the argmax in the full numbering."""
-    monkeypatch.setattr(L, "CE_CHUNK_ROWS", 10)
+    monkeypatch.setattr(H, "CE_CHUNK_ROWS", 10)
     g = torch.Generator().manual_seed(5)
     h = torch.randn(23, 16, generator=g).requires_grad_()
     W = torch.randn(50, 16, generator=g)
     ids = torch.tensor([1, 4, 7, 8, 20, 33, 49])
     lab = ids[torch.randint(0, len(ids), (23,), generator=g)]
     w, t = torch.rand(23, generator=g), (torch.randn(23, 16, generator=g) if distill else None)
-    rows = L.VocabRows(ids, 50, "cpu")
-    loss, pred, hard = L.restricted_ce(h, W, lab, rows, how, teacher=t)
+    rows = H.VocabRows(ids, 50, "cpu")
+    loss, pred, hard = H.restricted_ce(h, W, lab, rows, how, teacher=t)
     (loss * w).sum().backward()
     h2 = h.detach().clone().requires_grad_()
     logits = h2 @ W[ids].T
@@ -645,7 +646,7 @@ def test_restricted_head_is_the_softmax_over_its_rows(how, distill, monkeypatch)
     assert torch.equal(pred, ids[logits.argmax(-1)])
     # Smaller than the full softmax's CE (fewer rows in the normaliser) wherever it is CE.
     if t is None:
-        full, _, _ = L.head_ce(h.detach(), W, lab, how)
+        full, _, _ = H.head_ce(h.detach(), W, lab, how)
         assert (hard < full).all()
     with pytest.raises(ValueError, match="not in the training vocabulary"):
         rows.labels(torch.tensor([2]))
@@ -662,12 +663,12 @@ def test_sampled_rows_carry_the_rest_of_the_head(how):
     W = torch.randn(50, 16, generator=g)
     vocab = torch.tensor([2, 3, 10, 40])
     lab = vocab[torch.randint(0, 4, (13,), generator=g)]
-    rows = L.VocabRows.sampled(vocab, 50, 9, torch.Generator().manual_seed(0), "cpu")
+    rows = H.VocabRows.sampled(vocab, 50, 9, torch.Generator().manual_seed(0), "cpu")
     assert torch.equal(rows.ids[:4], vocab) and len(set(rows.ids.tolist())) == 13
     assert torch.equal(rows.bias, torch.cat([torch.zeros(4), torch.full((9,), math.log(46 / 9))]))
-    again = L.VocabRows.sampled(vocab, 50, 9, torch.Generator().manual_seed(0), "cpu")
+    again = H.VocabRows.sampled(vocab, 50, 9, torch.Generator().manual_seed(0), "cpu")
     assert torch.equal(again.ids, rows.ids)
-    loss, pred, _ = L.restricted_ce(h, W, lab, rows, how)
+    loss, pred, _ = H.restricted_ce(h, W, lab, rows, how)
     loss.sum().backward()
     h2 = h.detach().clone().requires_grad_()
     logits = h2 @ W[rows.ids].T + rows.bias
@@ -676,9 +677,9 @@ def test_sampled_rows_carry_the_rest_of_the_head(how):
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-6 * float(h2.grad.abs().max()))
     assert torch.equal(pred, rows.ids[logits.argmax(-1)])
-    every = L.VocabRows.sampled(vocab, 50, 1000, g, "cpu")
+    every = H.VocabRows.sampled(vocab, 50, 1000, g, "cpu")
     assert not every.bias.any()
-    torch.testing.assert_close(L.restricted_ce(h.detach(), W, lab, every, how)[0],
+    torch.testing.assert_close(H.restricted_ce(h.detach(), W, lab, every, how)[0],
                                F.cross_entropy(h.detach() @ W.T, lab, reduction="none"), rtol=1e-5, atol=1e-5)
 
 
