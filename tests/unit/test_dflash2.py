@@ -4,7 +4,6 @@ what decoding and the peers do, and the export is the published checkpoint contr
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -243,29 +242,16 @@ def test_a_dflash2_directory_loads_back_and_starts_a_run(setup, tmp_path):
 def test_fitted_dflash2_decodes_losslessly_and_the_evaluator_scores_its_walk(tiny):
     """A DFlash2 fitted for a moment proposes through its selector: decoding keeps the
     target's greedy text, and the evaluator's replay of decoding gives decoding's tau."""
-    from dflash_actors.eval.decode import greedy_cached
     from dflash_actors.eval.evaluator import HeldOut, evaluate_version
     from dflash_actors.eval.tau import real_tau
-    from tests.unit.test_evaluate import heldout_prompts
+    from tests.support.fitting import fit_briefly, heldout_prompts
 
     cfg, target = tiny
     c = arch(cfg, selector_norm="own")
     prompts = heldout_prompts(cfg, 6)
-    texts = [greedy_cached(target, p, 32)[0] for p in prompts]
-    lens = [len(x) for x in texts]
-    batch = Batch(torch.cat(texts), torch.cat([torch.arange(n) for n in lens]),
-                  torch.cat([torch.tensor([0] * len(p) + [1] * 32, dtype=torch.int8) for p in prompts]),
-                  torch.tensor(np.cumsum([0] + lens), dtype=torch.int32), max(lens))
-    feats, anchors = target.features(batch), all_anchors(batch)
     d = trained_like(build_drafter(c, target))     # a selector that disagrees with the argmax somewhere
-    opt = torch.optim.Adam(d.parameters(), lr=3e-3)
-    o = Objective.from_config(c)
-    for _ in range(20):
-        loss, stats = dflash_loss(d, target, feats, batch, anchors, 4.0, selector=o.selector)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    d.eval()
+    stats, batch, feats = fit_briefly(d, target, prompts, selector=Objective.from_config(c).selector)
+    anchors = all_anchors(batch)
     assert stats.metrics()["tau"] > 1.5
     # Its proposals, not the head's argmax, are what is scored.
     with torch.no_grad():

@@ -16,6 +16,7 @@ from dflash_actors.eval.decode import (
 from dflash_actors.eval.prepare import regenerate
 from dflash_actors.eval.tau import completion_entropy, divergence, real_tau, simulated_tau, walk_tau
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
+from tests.support.fitting import fit_briefly, heldout_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -188,34 +189,14 @@ def test_evaluator_snapshot_discards_a_recycled_buffer():
 # -- fast evaluation: batched forwards and replays must change cost, not results ----------
 
 
-def heldout_prompts(cfg, n):
-    heldout = open_dataset(cfg.data, progress=False, path=ensure_synthetic_dataset(cfg.data)[1])
-    return [torch.from_numpy(heldout.sample(i)[0][:int(np.argmax(heldout.sample(i)[1]))]) for i in range(n)]
-
-
 @pytest.fixture(scope="module")
 def fitted(setup):
-    """A drafter fitted for a moment to the target's greedy text of held-out prompts: it
-    drafts some blocks right for several slots and others not (real tau about 2.5)."""
-    from dflash_actors.data.batching import Batch
-    from dflash_actors.models.loss import all_anchors, dflash_loss
+    """A drafter fitted for a moment (``tests.support.fitting``): real tau about 2.5."""
     cfg, target, _ = setup
-    prompts = heldout_prompts(cfg, 6)
-    texts = [greedy_cached(target, p, 32)[0] for p in prompts]
-    lens = [len(x) for x in texts]
-    batch = Batch(torch.cat(texts), torch.cat([torch.arange(n) for n in lens]),
-                  torch.cat([torch.tensor([0] * len(p) + [1] * 32, dtype=torch.int8) for p in prompts]),
-                  torch.tensor(np.cumsum([0] + lens), dtype=torch.int32), max(lens))
-    feats, anchors = target.features(batch), all_anchors(batch)
     torch.manual_seed(0)
     drafter = build_drafter(cfg, target)
-    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    for _ in range(20):
-        loss, _ = dflash_loss(drafter, target, feats, batch, anchors, 4.0)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
+    fit_briefly(drafter, target, heldout_prompts(cfg, 6))
+    return drafter
 
 
 def test_rows_forward_equals_each_row_alone(setup):
