@@ -32,6 +32,7 @@ COMMANDS = {
     "prepare": ("dflash_actors.eval.prepare", "prompts in, dataset out: the target regenerates every response"),
     "evaluate": ("dflash_actors.eval.parity", "simulated against real acceptance of a drafter, with baselines"),
     "plot": ("dflash_actors.observe.plot", "one picture of a run (needs matplotlib)"),
+    "taps": ("dflash_actors.tools.taps", "rank which target layers feed the drafter, by short runs on your data"),
     "chaos": ("dflash_actors.tools.chaos", "a run under random kill -9s from outside, judged at the end"),
     "reference": ("dflash_actors.job.reference", "the single-process trainer the pipeline matches bit for bit"),
 }

@@ -156,11 +156,10 @@ def main(argv=None) -> dict:
     cfg = load_config(CONFIG, overrides, topology=args.topology)
     if args.steps:
         from dflash_actors.data.dataset import open_dataset
-        from dflash_actors.train.schedule import Schedule
+        from dflash_actors.train.schedule import sized_to_steps
 
-        per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1, "train.max_steps": 0}),
-                                         open_dataset(cfg.data, progress=False).lengths).total_steps
-        overrides += [f"train.epochs={-(-args.steps // per_epoch)}", f"train.max_steps={args.steps}"]
+        sized = sized_to_steps(cfg, open_dataset(cfg.data, progress=False).lengths, args.steps)
+        overrides += [f"train.epochs={sized.train.epochs}", f"train.max_steps={args.steps}"]
         cfg = load_config(CONFIG, overrides, topology=args.topology)
     if args.run_dir:
         run_dir, minutes, how = Path(args.run_dir), None, "evaluated an earlier run"

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import subprocess
 import sys
@@ -137,19 +136,13 @@ def outside_share(drafter, target, texts, vocab) -> float:
 
 def heldout_metrics(drafter, target, texts, vocab=None) -> dict:
     import numpy as np
-    import torch
 
     from dflash_actors.eval.intervals import pooled_interval
-    from dflash_actors.eval.tau import drafter_correct, text_metrics, walk_counts, walk_tau
+    from dflash_actors.eval.tau import text_metrics, walk_counts, walk_tau
 
-    correct, valid = [], []
-    for i in range(len(texts)):
-        ids, mask = texts.sample(i)
-        c, v = drafter_correct(drafter, target, torch.from_numpy(ids), mask)
-        correct.append(c)
-        valid.append(v)
-    sim = text_metrics(np.concatenate(correct), np.concatenate(valid))
-    tokens, steps = walk_counts(drafter, target, texts)
+    pairs: list = []
+    tokens, steps = walk_counts(drafter, target, texts, keep=pairs)
+    sim = text_metrics(np.concatenate([c for c, _ in pairs]), np.concatenate([v for _, v in pairs]))
     out = {"walk_tau": round(sum(tokens) / max(sum(steps), 1), 4), "walk_ci95": pooled_interval(tokens, steps),
            "walk_tokens": tokens, "walk_steps": steps, "simulated_tau": round(sim["tau"], 4),
            "slot_acc": sim["per_position"][:2], "per_position": sim["per_position"]}
@@ -171,15 +164,12 @@ def variant_config(name: str, base: list[str], steps: int | None = None, epochs:
     its epochs sized to hold them, at least ``epochs``."""
     from dflash_actors.config import load_config
     from dflash_actors.data.dataset import open_dataset
-    from dflash_actors.train.schedule import Schedule
+    from dflash_actors.train.schedule import sized_to_steps
 
     cfg = load_config(CONFIG, base + overrides(name))
     if steps is None and epochs is None:
         return cfg
-    per_epoch = Schedule.from_config(cfg.updated({"train.epochs": 1, "train.max_steps": 0}),
-                                     open_dataset(cfg.data, progress=False).lengths).total_steps
-    need = math.ceil(steps / per_epoch) if steps else 0
-    return cfg.updated({"train.epochs": max(epochs or 0, need), "train.max_steps": steps or 0})
+    return sized_to_steps(cfg, open_dataset(cfg.data, progress=False).lengths, steps or 0, epochs or 0)
 
 
 def feature_key(cfg) -> str:

@@ -399,10 +399,16 @@ class EvalConfig:
     """Also run real speculative decoding on this many held-out prompts."""
     max_new_tokens: int = checked(64, at_least(1))
     device: str = "cpu"
+    plateau: int = checked(0, at_least(0))
+    """Stop training (done, exit 0) once the held-out walk tau has not risen beyond its 95%
+    interval over this many evaluations: the newest against the one that many before,
+    paired over the held-out texts (``evaluator.plateau``); 0 = train every step."""
 
     def __post_init__(self):
         if self.device != "cpu" and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ConfigError(f"device: 'cpu' or 'cuda:N' (got {self.device!r})")
+        if self.plateau and not self.every:
+            raise ConfigError("eval.plateau: needs eval.every, the evaluations it compares")
 
 
 @dataclass(frozen=True)
@@ -454,6 +460,9 @@ class Config:
             raise ConfigError(
                 f"drafter.block_size: must be <= data.max_seq_len={self.data.max_seq_len} "
                 f"(got {self.drafter.block_size})")
+        if self.eval.plateau and self.topology.nodes > 1:
+            # Node 0's evaluator would end node 0 alone; the others would see a lost node.
+            raise ConfigError(f"eval.plateau: one machine only for now (topology.nodes={self.topology.nodes})")
         if self.topology.target_tp > 1:
             # Only a gang's rank 0 writes features: the cache does not know ranks yet.
             if self.target.feature_cache != "off":

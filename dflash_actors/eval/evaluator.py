@@ -12,6 +12,12 @@ Contract:
   when      once a multiple of ``eval.every`` optimizer steps is reached, on the newest
             published version then (the only one whose weights are still held);
             one that falls behind skips ahead rather than queueing
+  plateau   with ``eval.plateau`` N, each line also carries the held-out walk tau (real
+            decoding's walk replayed, per text); once the newest is not above the one N
+            evaluations before beyond the 95% interval (paired over the texts), the line
+            says so and the job ends as done at the version training has reached
+            (``Supervisor.request_finish``; exit 0). The only way it touches the run,
+            and it decides when training stops, never what a step computes.
   lifetime  a plain child process of the job, started with the supervisor and told to
             finish when it returns (it then evaluates the final version once); it exits
             on its own as soon as its parent is gone, so a killed job leaves no orphan.
@@ -60,7 +66,8 @@ from ..models.drafter import DFlashDrafter, build_drafter
 from ..models.target import TargetModel, load_target
 from ..runtime.boot import Deferred, boot
 from ..runtime.files import cannot_write
-from .tau import TargetTexts, completion_mask, drafter_correct, replayed_tau, text_features, text_metrics
+from .intervals import pooled_difference_interval, pooled_interval
+from .tau import TargetTexts, completion_mask, drafter_correct, replayed_tau, text_features, text_metrics, text_walk
 
 POLL_S = 0.5
 
@@ -132,9 +139,14 @@ def prepare(cfg) -> tuple[DFlashDrafter, Head, HeldOut]:
 
 @torch.no_grad()
 def evaluate_version(drafter, head: Head | TargetModel, heldout: HeldOut) -> dict:
-    correct, valid = zip(*(drafter_correct(drafter, head, ids, completion_mask(len(ids), first), feats)
-                           for ids, first, feats in heldout.items))
-    out = {"simulated": text_metrics(np.concatenate(correct), np.concatenate(valid))}
+    masks = [completion_mask(len(ids), first) for ids, first, _ in heldout.items]
+    rows = [drafter_correct(drafter, head, ids, m, feats) for (ids, _, feats), m in zip(heldout.items, masks)]
+    correct, valid = zip(*rows)
+    walks = [text_walk(c, m) for (c, _), m in zip(rows, masks)]
+    tokens, steps = [t for t, _ in walks], [s for _, s in walks]
+    out = {"simulated": text_metrics(np.concatenate(correct), np.concatenate(valid)),
+           "walk": {"tau": round(sum(tokens) / max(sum(steps), 1), 4), "ci95": pooled_interval(tokens, steps),
+                    "tokens": tokens, "steps": steps}}
     tt = heldout.real
     if tt is not None:
         rows = [drafter_correct(drafter, head, x, completion_mask(len(x), len(p)), f)
@@ -144,9 +156,30 @@ def evaluate_version(drafter, head: Head | TargetModel, heldout: HeldOut) -> dic
     return out
 
 
+def plateau(history: list[tuple[int, dict]], n: int) -> dict | None:
+    """Whether the held-out curve has stopped rising: the newest evaluation of
+    ``history`` (``(version, its "walk")``, in order) against the one ``n`` before; None
+    while it still rises beyond the paired 95% interval, or while fewer are in."""
+    if n < 1 or len(history) <= n:
+        return None
+    (u, old), (v, new) = history[-1 - n], history[-1]
+    diff = round(new["tau"] - old["tau"], 4)
+    ci = pooled_difference_interval((new["tokens"], new["steps"]), (old["tokens"], old["steps"]))
+    if (ci[0] if ci is not None else diff) > 0:
+        return None
+    return {"versions": [u, v], "taus": [old["tau"], new["tau"]], "difference": diff, "ci95": ci}
+
+
+def plateau_reason(p: dict) -> str:
+    (u, v), (a, b), ci = p["versions"], p["taus"], p["ci95"]
+    within = f" [{ci[0]:+.4f}, {ci[1]:+.4f}], 95% paired over the held-out texts" if ci else ""
+    return (f"plateau: held-out walk tau {b:.4f} at step {v} against {a:.4f} at step {u} "
+            f"({p['difference']:+.4f}{within})")
+
+
 def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, parent: int, tell) -> None:
-    """The process body (see the module contract); ``tell``: the pipe to send the line
-    of an unwritable metrics.jsonl on."""
+    """The process body (see the module contract); ``tell``: the pipe to the job,
+    ``("error", line)`` for an unwritable metrics.jsonl, ``("plateau", reason)``."""
     try:
         os.nice(10)
     except OSError:
@@ -156,6 +189,7 @@ def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, p
     params = list(drafter.parameters())
     due = due_versions(first_version, last_version, cfg.eval.every)
     path = Path(run_dir) / "metrics.jsonl"
+    history: list[tuple[int, dict]] = []
     while due and os.getppid() == parent:
         v = store.version
         ready = [d for d in due if d <= v]
@@ -174,11 +208,18 @@ def run(cfg, store, run_dir: str, first_version: int, last_version: int, stop, p
         line = {"kind": "eval", "step": v, "time": round(time.time(), 3),
                 **evaluate_version(drafter, head, heldout)}
         line["wall_s"] = round(time.perf_counter() - t, 2)
+        history.append((v, line["walk"]))
+        flat_at = plateau(history, cfg.eval.plateau) if v < last_version else None
+        if flat_at is not None:
+            line["plateau"] = flat_at
         try:
             with open(path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         except OSError as e:
-            tell.send(cannot_write(path, e))
+            tell.send(("error", cannot_write(path, e)))
+            return
+        if flat_at is not None:
+            tell.send(("plateau", plateau_reason(flat_at)))
             return
         due = [d for d in due if d > v]
 
@@ -203,20 +244,22 @@ class Evaluator:
         self.proc = self.ctx.Process(target=boot, name="evaluator", daemon=True,
                                      args=(os.getpid(), Deferred(args), "dflash_actors.eval.evaluator:main"))
 
-    def start(self, on_error: Callable[[str], None]) -> None:
-        """Start it; ``on_error`` gets the line of an unwritable metrics.jsonl, from a
-        thread of this process (the supervisor's ``request_failure``)."""
+    def start(self, on_error: Callable[[str], None], on_plateau: Callable[[str], None]) -> None:
+        """Start it; from a thread of this process, ``on_error`` gets the line of an
+        unwritable metrics.jsonl (the supervisor's ``request_failure``) and ``on_plateau``
+        the reason training stops paying (``request_finish``; ``eval.plateau``)."""
         self.proc.start()
         self.tell.close()       # the child's copy is then the only one: its exit ends the pipe
-        self.listener = threading.Thread(target=self._listen, args=(on_error,), name="evaluator-errors", daemon=True)
+        self.listener = threading.Thread(target=self._listen, args=({"error": on_error, "plateau": on_plateau},),
+                                         name="evaluator-messages", daemon=True)
         self.listener.start()
 
-    def _listen(self, on_error: Callable[[str], None]) -> None:
+    def _listen(self, handlers: dict[str, Callable[[str], None]]) -> None:
         try:
-            line = self.told.recv()
+            kind, text = self.told.recv()
         except EOFError:        # it ended without one
             return
-        on_error(line)
+        handlers[kind](text)
 
     def finish(self, timeout_s: float) -> None:
         """Let it evaluate what is due (the final version included), then make sure it is gone."""

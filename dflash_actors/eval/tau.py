@@ -70,21 +70,32 @@ def walk_tau(drafter, target, dataset) -> float:
 
 
 @torch.no_grad()
-def walk_counts(drafter, target, dataset) -> tuple[list[int], list[int]]:
-    """``walk_tau``'s tokens and verify steps per text (for intervals over texts)."""
+def walk_counts(drafter, target, dataset, keep: list | None = None) -> tuple[list[int], list[int]]:
+    """``walk_tau``'s tokens and verify steps per text (for intervals over texts).
+    ``keep``, if given, receives each text's ``drafter_correct`` pair, so simulated
+    metrics (``text_metrics``) come from the same pass."""
     tokens, steps = [], []
     for i in range(len(dataset)):
         ids, mask = dataset.sample(i)
-        L = len(ids)
-        correct, _ = drafter_correct(drafter, target, torch.from_numpy(ids), mask)
-        accept = dict(zip(anchor_candidates(mask).tolist(), (1 + np.cumprod(correct, axis=1).sum(1)).tolist()))
-        start, t, s = int(np.argmax(mask)), 0, 0
-        while start + 1 < L:
-            n = min(accept[start], L - start - 1)
-            t, s, start = t + n, s + 1, start + n
+        correct, valid = drafter_correct(drafter, target, torch.from_numpy(ids), mask)
+        if keep is not None:
+            keep.append((correct, valid))
+        t, s = text_walk(correct, mask)
         tokens.append(t)
         steps.append(s)
     return tokens, steps
+
+
+def text_walk(correct: np.ndarray, mask: np.ndarray) -> tuple[int, int]:
+    """One text's walk from its ``drafter_correct`` rows: tokens gained and verify steps,
+    from the first completion token, each step jumping ``1 + leading correct``."""
+    L = len(mask)
+    accept = dict(zip(anchor_candidates(mask).tolist(), (1 + np.cumprod(correct, axis=1).sum(1)).tolist()))
+    start, t, s = int(np.argmax(mask)), 0, 0
+    while start + 1 < L:
+        n = min(accept[start], L - start - 1)
+        t, s, start = t + n, s + 1, start + n
+    return t, s
 
 
 def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,

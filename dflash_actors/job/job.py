@@ -391,7 +391,7 @@ class Job:
         if cfg.eval.every and first < sched.total_steps and self.node.rank == 0:
             from ..eval.evaluator import Evaluator
             evaluator = Evaluator(cfg, self.shared.weights, self.run_dir, first, sched.total_steps)
-            evaluator.start(sup.request_failure)
+            evaluator.start(sup.request_failure, sup.request_finish)
         try:
             return sup.run()
         finally:

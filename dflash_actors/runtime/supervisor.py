@@ -3,6 +3,7 @@
 State machine of the job::
 
     RUNNING --all batches committed----> STOPPING("finished") --> DONE
+    RUNNING --request_finish(reason)---> STOPPING(reason)      --> DONE (early: a plateau)
     RUNNING --SIGINT/SIGTERM-----------> STOPPING(signal)      --> STOPPED
     RUNNING --restart intensity--------> STOPPING(error)       --> FAILED
     RUNNING --an actor raised Escalate-> STOPPING(error)       --> FAILED, result.raised
@@ -172,6 +173,7 @@ class Supervisor:
         self._forker_pid = os.getpid()   # the process each actor is forked from
         self._stop_signal: Optional[str] = None
         self._failure: Optional[str] = None
+        self._finish_early: Optional[str] = None
         self._events: Optional[EventLog] = None
         self._wake: Optional[Wakeup] = None
         self._window = Window(first_batch, n_batches, runtime.trace_batches)
@@ -231,6 +233,13 @@ class Supervisor:
         if self._wake is not None:      # None: not running yet
             self._wake.poke()
 
+    def request_finish(self, reason: str) -> None:
+        """End the job as done before its last batch (exit 0), from any thread: what the
+        evaluator asks once the held-out curve stops rising (``eval.plateau``)."""
+        self._finish_early = self._finish_early or reason
+        if self._wake is not None:
+            self._wake.poke()
+
     # -- the loop --------------------------------------------------------------
 
     def _loop(self) -> JobResult:
@@ -241,6 +250,8 @@ class Supervisor:
                 return self._stopping(JobResult(JobState.FAILED, self._failure))
             if self._stop_signal and self.state is JobState.RUNNING:
                 return self._stopping(JobResult(JobState.STOPPED, self._stop_signal))
+            if self._finish_early and self.state is JobState.RUNNING:
+                return self._stopping(JobResult(JobState.DONE, self._finish_early))
             if self.dispatcher.finished():
                 return self._stopping(JobResult(JobState.DONE, "finished"))
             if now >= next_status:

@@ -59,6 +59,35 @@ def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology, s
         assert_eval_lines(tmp_path / "run", every, ref.steps, cfg.drafter.block_size)
 
 
+def test_plateau_ends_the_run_as_done_with_the_reference_weights(cache_dir, tmp_path):
+    """``eval.plateau``: at an LR too small to move the held-out walk, two evaluations in a
+    row are level, so the evaluator ends the job early: exit 0, the reason in the summary,
+    and a checkpoint equal to the reference's weights at the step training reached."""
+    cfg = small_config(cache_dir, tmp_path / "run", "1-1", "train.epochs=40", "train.lr=1e-12", "eval.every=1",
+                       "eval.plateau=1", "eval.max_samples=4")
+    result = Job(cfg, progress=False).run()
+    assert result.exit_code == 0, result.reason
+    step, total = result.summary["step"], result.summary["total_steps"]
+    assert result.reason.startswith("plateau: held-out walk tau") and 0 < step < total
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in evals if x["kind"] == "eval"]
+    assert "plateau" in evals[-1] and all("plateau" not in x for x in evals[:-1])
+    u, v = evals[-1]["plateau"]["versions"]
+    assert [u, v] == [x["step"] for x in evals[-2:]] and v <= step
+    kept = {}
+
+    class Enough(Exception):
+        pass
+
+    def keep(s, drafter, *_):
+        if s == step:
+            kept.update({k: t.detach().clone() for k, t in drafter.state_dict().items()})
+            raise Enough
+    with pytest.raises(Enough):
+        train_reference(cfg.updated({"runtime.run_dir": str(tmp_path / "ref")}), progress=False, on_step=keep)
+    assert_same_weights(final_weights(tmp_path / "run"), kept)
+
+
 def test_bf16_on_cpu_is_bit_identical_to_its_reference(cache_dir, tmp_path):
     """A bf16 target and ``train.compute_dtype=bfloat16`` on CPU: every process runs the
     same bf16 kernels, so the pipeline still equals its reference; and bf16 did run (the
@@ -87,6 +116,9 @@ def assert_eval_lines(run_dir, every: int, steps: int, block: int) -> None:
     assert versions[0] >= min(every, steps)
     for x in evals:
         assert 1.0 <= x["simulated"]["tau"] <= block and 1.0 <= x["real"]["tau"] <= block
+        walk = x["walk"]
+        assert 1.0 <= walk["tau"] <= block and len(walk["tokens"]) == len(walk["steps"]) > 0
+        assert walk["tau"] == round(sum(walk["tokens"]) / sum(walk["steps"]), 4)
         assert len(x["simulated"]["per_position"]) == block - 1 and x["simulated"]["anchors"] > 0
 
 

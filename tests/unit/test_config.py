@@ -72,6 +72,8 @@ def test_overrides_and_topology():
     ("target.share_weights=always", "target.share_weights: must be one of ['auto', 'on', 'off']"),
     ("runtime.start_method=fork", "runtime.start_method: must be one of ['auto', 'forkserver', 'spawn']"),
     ("target.feature_cache=yes", "target.feature_cache: must be one of ['off', 'memory', 'disk']"),
+    ("eval.plateau=2", "eval.plateau: needs eval.every"),
+    ("eval.plateau=-1", "eval.plateau: must be >= 0"),
 ])
 def test_bad_values_name_the_key_path(override, message):
     with pytest.raises(ConfigError) as e:
@@ -184,3 +186,8 @@ def test_off_is_a_word_not_a_boolean():
     assert cfg.target.feature_cache == "off" and cfg.monitor.console == "off"
     with pytest.raises(ConfigError, match="must be one of"):
         load_config(ROOT / "configs/default.yaml", ["target.feature_cache=on"])
+
+
+def test_plateau_is_one_machine_only():
+    with pytest.raises(ConfigError, match="eval.plateau: one machine only"):
+        load_config(ROOT / "configs/default.yaml", ["eval.every=5", "eval.plateau=2", "topology.nodes=2"])

@@ -186,6 +186,43 @@ def test_evaluator_snapshot_discards_a_recycled_buffer():
     assert snapshot(store, 4) is None
 
 
+def test_plateau_compares_the_newest_evaluation_with_the_one_n_before():
+    from dflash_actors.eval.evaluator import plateau, plateau_reason
+
+    def walk(tokens):      # one verify step per text: tau is the mean of ``tokens``
+        return {"tau": round(sum(tokens) / len(tokens), 4), "tokens": tokens, "steps": [1] * len(tokens)}
+    low, high = walk([10, 11, 12, 13, 14]), walk([12, 13, 14, 15, 16])
+    noisy = walk([16, 9, 14, 11, 12])       # above ``low`` by 0.4 on average, not on every text
+    assert plateau([(5, low)], 1) is None                       # nothing to compare with yet
+    assert plateau([(5, low), (10, high)], 1) is None           # +2 on every text: still rising
+    flat = plateau([(5, low), (10, high), (15, high)], 1)
+    assert flat == {"versions": [10, 15], "taus": [14.0, 14.0], "difference": 0.0, "ci95": [0.0, 0.0]}
+    assert plateau([(5, low), (10, high), (15, high)], 2) is None   # 15 against 5: risen
+    within = plateau([(5, low), (10, noisy)], 1)
+    assert within["difference"] == 0.4 and within["ci95"][0] < 0 < within["ci95"][1]
+    assert plateau_reason(flat).startswith("plateau: held-out walk tau 14.0000 at step 15 against 14.0000 at step 10")
+    assert plateau([(5, low), (10, low)], 0) is None             # off
+
+
+def test_evaluator_walk_is_the_walk_over_its_texts(setup, fitted):
+    """The per-text walk on each eval line (what ``eval.plateau`` compares) is
+    ``tau.walk_counts`` over the same held-out texts."""
+    from dflash_actors.eval.evaluator import HeldOut, evaluate_version, heldout_path
+    from dflash_actors.eval.tau import walk_counts
+    cfg, target, _ = setup
+    ds = open_dataset(cfg.data, progress=False, path=heldout_path(cfg))
+
+    class First:
+        def __len__(self):
+            return min(len(ds), 8)
+
+        def sample(self, i):
+            return ds.sample(i)
+    got = evaluate_version(fitted, target, HeldOut(cfg, target, 8, 0, 16))["walk"]
+    tokens, steps = walk_counts(fitted, target, First())
+    assert (got["tokens"], got["steps"]) == (tokens, steps) and got["tau"] == round(sum(tokens) / sum(steps), 4)
+
+
 # -- fast evaluation: batched forwards and replays must change cost, not results ----------
 
 
