@@ -47,6 +47,7 @@ from ..data.synthetic import flatten, train_path, write_token_dataset
 from ..models.target import ensure_target, load_target, resolve_target_dir
 from ..runtime.files import write_atomically
 from .generate import InProcessEngine, SamplingSettings
+from .self_prompts import SelfPromptSettings, user_turn_header, write_self_prompts
 from .serving import ServerEngine, ServerFailed, ServerSettings, agreement, probe, served_stop_ids
 
 EXIT_USAGE = 2
@@ -159,8 +160,9 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
             sampling: SamplingSettings = SamplingSettings(), batch_size: int = 16, shard_size: int = 64,
             limit: int | None = None, cache_dir: str = ".cache", device: str = "auto",
             threads: int | None = None, progress: bool = True, samples_per_prompt: int = 1,
-            server: ServerSettings | None = None) -> Path:
-    """Regenerate the responses to ``prompts_path`` with ``target`` (or ``server``) into dataset ``out``."""
+            server: ServerSettings | None = None, prompt_source: dict | None = None) -> Path:
+    """Regenerate the responses to ``prompts_path`` with ``target`` (or ``server``) into dataset ``out``;
+    ``prompt_source``, if given, goes into ``prepare.json`` as where the prompts came from."""
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
@@ -202,6 +204,8 @@ def prepare(target: str, prompts_path: str | Path, out: str | Path, *, template_
             gen.close()
         bar.close()
     meta = {**manifest, "target_dir": str(target_dir)}
+    if prompt_source is not None:
+        meta["prompt_source"] = prompt_source
     if found or todo:       # in-process: what this run generated (a resumed run's shards only)
         meta["engine"] = gen.report()
     return _assemble(out, partial, paths, meta, len(tokenizer))
@@ -409,12 +413,49 @@ def server_settings(args: argparse.Namespace) -> ServerSettings | None:
                           pick(args.max_retokenize_mismatch, d.max_retokenize_mismatch))
 
 
+def self_prompted(args: argparse.Namespace, sampling: SamplingSettings,
+                  server: ServerSettings | None) -> tuple[Path, dict]:
+    """``--self-prompts``: the target's own prompts written beside ``--out`` (``OUT.prompts.jsonl``,
+    reused once complete), and what ``prepare.json`` records of them."""
+    from tqdm import tqdm
+
+    if server is not None:
+        raise PrepareError("--self-prompts: the target loaded here writes the prompts; not with --server yet "
+                           "(write them once without it, then pass that file as --prompts)")
+    out = Path(args.out)
+    _check_settings(out, args.batch_size, args.shard_size, sampling, args.samples_per_prompt, None)
+    settings = SelfPromptSettings(args.self_prompts, args.prompt_temperature, args.top_p, args.prompt_max_tokens,
+                                  seed=args.seed, dtype=args.dtype)
+    target_dir = resolve_target_dir(args.target, None, args.cache_dir)
+    tokenizer = load_tokenizer(target_dir)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = out.with_name(out.name + ".prompts.jsonl")
+    opts = template_opts(args)
+    settings.check()            # and the header: both one line before any bar or weights
+    user_turn_header(tokenizer, opts.get("system_prompt"), opts.get("enable_thinking", False))
+    with tqdm(total=settings.count, desc="self-prompts", unit="prompt", dynamic_ncols=True) as bar:
+        stats = write_self_prompts(target_dir, tokenizer, path, settings, system_prompt=opts.get("system_prompt"),
+                                   enable_thinking=opts.get("enable_thinking", False), batch_size=args.batch_size,
+                                   shard_size=args.shard_size, device=args.device, bar=bar)
+    print(f"self-prompts: {stats['kept']} kept of {stats['sampled']} sampled (dropped: {stats['dropped']}) "
+          f"-> {path}", file=sys.stderr)
+    return path, stats
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="launch.py prepare", description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="HF model directory, GGUF directory, or pkg:NAME (with "
                     "--server: its tokenizer and chat template, and the stop tokens of its generation config)")
-    ap.add_argument("--prompts", required=True, help="JSONL chat prompts or plain text lines")
+    ap.add_argument("--prompts", help="JSONL chat prompts or plain text lines")
     ap.add_argument("--out", help="dataset directory to write (not with --check)")
+    own = ap.add_argument_group("prompts written by the target itself, instead of --prompts (self_prompts.py)")
+    own.add_argument("--self-prompts", type=int, metavar="N",
+                     help="sample N distinct user prompts from the chat template's user-turn header, kept in "
+                          "OUT.prompts.jsonl, then regenerate their responses")
+    own.add_argument("--prompt-temperature", type=float, default=1.0, help="their sampling temperature (1.0)")
+    own.add_argument("--prompt-max-tokens", type=int, default=128,
+                     help="a prompt that has not ended after this many tokens is dropped (128)")
     add_template_args(ap)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -451,6 +492,8 @@ def main(argv=None) -> int:
     sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed, args.dtype)
     t = time.perf_counter()
     try:
+        if (args.prompts is None) == (args.self_prompts is None) or (args.check and args.prompts is None):
+            raise PrepareError("give --prompts FILE or --self-prompts N (one of them; --check needs --prompts)")
         server = server_settings(args)
         if args.check is not None:
             result = check(args.target, args.prompts, args.check, server, template_opts=template_opts(args),
@@ -463,10 +506,13 @@ def main(argv=None) -> int:
             return 0
         if args.out is None:
             raise PrepareError("--out: the dataset directory to write is required (unless --check)")
-        out = prepare(args.target, args.prompts, args.out, template_opts=template_opts(args), sampling=sampling,
+        prompts, source = args.prompts, None
+        if args.self_prompts is not None:
+            prompts, source = self_prompted(args, sampling, server)
+        out = prepare(args.target, prompts, args.out, template_opts=template_opts(args), sampling=sampling,
                       batch_size=args.batch_size, shard_size=args.shard_size, limit=args.limit,
                       cache_dir=args.cache_dir, device=args.device, threads=args.threads,
-                      samples_per_prompt=args.samples_per_prompt, server=server)
+                      samples_per_prompt=args.samples_per_prompt, server=server, prompt_source=source)
     except ValueError as e:      # PrepareError, a server unusable, the target's own resolution errors
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -24,8 +24,6 @@ from dflash_actors.eval.prepare import (
     read_metadata,
 )
 from dflash_actors.models.drafter import DFlashDrafter
-from dflash_actors.models.target import ensure_target
-from tests.support.chat import tiny_chat_target
 from tests.support.pipeline import ROOT, SMALL
 
 PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"}]}
@@ -35,14 +33,11 @@ PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i}
 
 
 @pytest.fixture(scope="module")
-def chat(cache_dir, tmp_path_factory):
+def chat(chat_target, tmp_path_factory):
     """``(target dir, prompts file)`` of the tiny chat target."""
-    cfg = load_config(ROOT / "configs/default.yaml", SMALL + [f"data.cache_dir={cache_dir}"])
-    out = tmp_path_factory.mktemp("chat")
-    target = tiny_chat_target(ensure_target(cfg), out / "target")
-    prompts = out / "prompts.jsonl"
+    prompts = tmp_path_factory.mktemp("chat") / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS) + "plain text line prompt\n")
-    return target, prompts
+    return chat_target, prompts
 
 
 def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path):
