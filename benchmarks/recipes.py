@@ -3,14 +3,15 @@
     python -m benchmarks.recipes [--steps 200] [--variants anchors,init_target,...]
     python -m benchmarks.recipes --minutes 10 --parallel 2 --variants default,wsd,head_sampled
 
-Every variant trains with the single-process reference trainer (the pipeline's exact
-math) from the same data, seed and batches, one thread, and differs only in its
-overrides (``VARIANTS``). At the marked steps and the last, it measures on the held-out
-prompts' target text (``prepare`` of ``prompts/heldout.jsonl``): the walk tau (real
-decoding's walk replayed on the drafter's acceptances: on the target's own text it
-equals real tau up to float noise, ``eval.tau.walk_tau``) and per-slot conditional
-acceptance, and it records the training loss (mean of the 5 steps up to the mark) and
-seconds per step. One JSON line, plus a table and a plot in ``--out``.
+Every variant trains with the single-process reference trainer (the pipeline's exact math)
+from the same data, seed and batches, one thread, and differs only in its overrides
+(``VARIANTS``; ``taps:A-B-C`` reads target layers A, B, C). At the marked steps and the
+last, it measures on the held-out prompts' target text (``prepare`` of
+``prompts/heldout.jsonl``): the walk tau (real decoding's walk replayed on the drafter's
+acceptances: on the target's own text it equals real tau up to float noise,
+``eval.tau.walk_tau``) and per-slot conditional acceptance, and it records the training loss
+(mean of the 5 steps up to the mark) and seconds per step. One JSON line, plus a table and a
+plot in ``--out``.
 
 ``--minutes M`` gives every variant the same M minutes of training instead of the same
 steps: a variant first times its own steps for ``CALIBRATION_S`` seconds, then trains
@@ -89,12 +90,21 @@ against it keep it (``overrides``), except ``default``, the config as it is."""
 
 
 def overrides(name: str) -> list[str]:
-    """A variant's overrides of the SmolLM2 config."""
+    """A variant's overrides of the SmolLM2 config. ``taps:A-B-C`` is the config as it is
+    reading target layers A, B, C (``launch.py taps`` ranks them; this checks a ranking at
+    the full budget)."""
+    if name.startswith("taps:"):
+        return [f"drafter.target_layer_ids=[{', '.join(name[5:].split('-'))}]"]
     own = VARIANTS[name]
     if name == "default":
         return list(own)
     keys = {o.split("=")[0] for o in own}
     return [o for o in BEFORE_DFLASH2 if o.split("=")[0] not in keys] + own
+
+def is_taps(name: str) -> bool:
+    layers = name[5:].split("-") if name.startswith("taps:") else []
+    return bool(layers) and all(x.isdigit() for x in layers)
+
 
 CALIBRATION_S = 90.0
 """How long a ``--minutes`` variant times steps of its own before its run (the first
@@ -404,7 +414,7 @@ def main(argv=None) -> int:
         print(json.dumps({"bench": "recipe", "skipped": "needs SmolLM2 (make smollm) and prepared data "
                                                         "(python -m benchmarks.bench_real prepares it)"}))
         return 0
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS and not is_taps(v)]
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     from transformers.utils import logging as hf_logging

@@ -39,3 +39,14 @@ def test_external_prompts_are_other_peoples_and_distinct():
     assert all(len(m) == 1 and m[0]["role"] == "user" and m[0]["content"].isascii() for m in external)
     contents = [m[0]["content"] for m in external]
     assert len(set(contents)) == len(contents) and not set(contents) & ours
+
+
+def test_joined_takes_the_first_files_limit_and_all_of_the_others(tmp_path):
+    from benchmarks.bench_real import count_prompts, joined
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("one\ntwo\n\nthree\n")
+    b.write_text("four\nfive\n")
+    out = joined([a, b], tmp_path / "all.jsonl", 2)
+    assert out.read_text() == "one\ntwo\nfour\nfive\n" and count_prompts(out) == 4
+    assert joined([a, b], tmp_path / "all.jsonl", None).read_text().splitlines()[:3] == ["one", "two", "three"]
