@@ -50,3 +50,20 @@ def test_joined_takes_the_first_files_limit_and_all_of_the_others(tmp_path):
     out = joined([a, b], tmp_path / "all.jsonl", 2)
     assert out.read_text() == "one\ntwo\nfour\nfive\n" and count_prompts(out) == 4
     assert joined([a, b], tmp_path / "all.jsonl", None).read_text().splitlines()[:3] == ["one", "two", "three"]
+
+
+def test_wheel_prompts_never_reach_an_evaluation_set():
+    """``wheels.jsonl`` trains: none of its prompts may be a held-out or external one (the
+    evaluation would then measure memorised text), nor repeat one of its own."""
+    import json
+
+    def norm(messages):
+        return " ".join(messages[-1]["content"].lower().split())
+
+    def texts(name):
+        return [json.loads(line)["messages"] for line in (bench_real.PROMPTS / name).read_text().splitlines()]
+    wheels = texts("wheels.jsonl")
+    assert len(wheels) > 800 and all(len(m) == 1 and m[0]["role"] == "user" for m in wheels)
+    mine = [norm(m) for m in wheels]
+    evaluated = {norm(m) for name in ("heldout.jsonl", "external.jsonl") for m in texts(name)}
+    assert len(set(mine)) == len(mine) and not set(mine) & evaluated
