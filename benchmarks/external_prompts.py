@@ -48,10 +48,15 @@ def main(argv=None):
             texts = sorted({t for r in rows if (t := usable(r["question"])) and t not in own and t not in picked})
             picked += random.Random(args.seed).sample(texts, args.per_source)
     random.Random(args.seed).shuffle(picked)
-    with open(args.out, "w") as f:
-        for text in picked:
-            f.write(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")
+    write_prompts(args.out, picked)
     print(json.dumps({"out": args.out, "prompts": len(picked), "sources": SOURCES}))
+
+
+def write_prompts(path, texts: list[str]) -> None:
+    """``texts`` as the project's prompt format: one user message a line."""
+    with open(path, "w") as f:
+        for text in texts:
+            f.write(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.external_prompts import write_prompts
+
 PROMPTS = Path(__file__).resolve().parent.parent / "dflash_actors" / "prompts"
 OUT = PROMPTS / "wheels.jsonl"
 OWN = ("train.jsonl", "heldout.jsonl", "external.jsonl")
@@ -173,9 +175,7 @@ def main(argv=None):
         counts[source] = len(texts)
         picked += texts
     random.Random(args.seed).shuffle(picked)
-    with open(args.out, "w") as f:
-        for text in picked:
-            f.write(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")
+    write_prompts(args.out, picked)
     print(json.dumps({"out": args.out, "prompts": len(picked), "per_source": counts}))
 
 
