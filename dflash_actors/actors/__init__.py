@@ -1,5 +1,7 @@
-"""The four stages of the job, one module per actor kind, each with its contract on top;
-the lifecycle they share is the runtime's (``runtime.actor``).
+"""The four stages of the job, one module per actor kind, each with its contract on top:
+``loader`` (batches into slots), ``target`` (the frozen target's features), ``drafter``
+(the drafter's gradient) and ``optimizer`` (the step, the weights, checkpoints); the
+lifecycle they share is the runtime's (``runtime.actor``).
 
 Importing this package (every actor process does, to unpickle its entry point) makes
 two process-wide choices that keep killed actors from leaving anything behind or

@@ -13,6 +13,7 @@ through stages of actor processes, with the data in preallocated shared-memory r
     actor       the actor process: lifecycle, heartbeats, the one error handler
     boot        an actor's first code: the parent-death signal, armed before any import
     forker      the fork server's first import (start_method forkserver): it dies with us
+    forking     the fork server: one process that imports torch once and forks every actor
     events      events.log, one writer and one schema
     files       write-then-rename: how every shared file and directory is replaced
     trace       where each actor spent its time: spans merged into trace.json

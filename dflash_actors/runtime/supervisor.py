@@ -544,7 +544,7 @@ class Supervisor:
         blame = self._end_gang(c, first) if c.followers else None
         self._read(c)
         c.proc.join()
-        cause = self._exitexit_cause(c)
+        cause = self._exit_cause(c)
         if blame is not None:
             # Its error decides (an Escalate there stops the job), not the one rank 0
             # raised when the collective lost that rank.
@@ -574,7 +574,7 @@ class Supervisor:
         self._spawn(c, f"one_for_one restart after: {cause}")
         return None
 
-    def _exitexit_cause(self, c: Child) -> str:
+    def _exit_cause(self, c: Child) -> str:
         return exit_cause(c.proc.exitcode, c.hung, c.error)
 
     def _send(self, c: Child, msg) -> None:

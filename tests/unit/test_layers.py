@@ -130,3 +130,18 @@ def test_launch_py_imports_no_torch_at_the_top():
     assert out.returncode == 0, out.stderr
     heavy = [m for m in json.loads(out.stdout) if m.split(".")[0] in ("torch", "transformers", "numpy")]
     assert not heavy, f"import launch loads {sorted({m.split('.')[0] for m in heavy})}"
+
+
+def test_every_folder_names_each_of_its_modules():
+    """A folder's ``__init__`` is its door: it says what each of its modules holds, so a
+    module added without a word there is a room nobody will find."""
+    import ast
+    import re
+
+    missing = []
+    for init in sorted((ROOT / "dflash_actors").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        for module in sorted(init.parent.glob("*.py")):
+            if module.stem != "__init__" and not re.search(rf"\b{module.stem}\b", doc):
+                missing.append(f"{init.parent.name}/{module.name}")
+    assert not missing, f"not named in their folder's __init__ docstring: {missing}"
