@@ -29,7 +29,7 @@ from dflash_actors.console import first_line
 
 COMMANDS = {
     "status": ("dflash_actors.observe.statusview", "how a run is doing, from another terminal (exit 0 healthy)"),
-    "prepare": ("dflash_actors.eval.prepare", "prompts in, dataset out: the target regenerates every response"),
+    "prepare": ("dflash_actors.prepare.regenerate", "prompts in, dataset out: the target regenerates every response"),
     "evaluate": ("dflash_actors.eval.parity", "simulated against real acceptance of a drafter, with baselines"),
     "plot": ("dflash_actors.observe.plot", "one picture of a run (needs matplotlib)"),
     "taps": ("dflash_actors.tools.taps", "rank which target layers feed the drafter, by short runs on your data"),

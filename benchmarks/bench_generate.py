@@ -8,7 +8,7 @@ the responses to the shipped training prompts with one engine, then the same pro
 with the other, alternating each round on new prompts, so both see the same machine.
 ``fixed`` generates groups of the batch size until each group's longest response ends;
 ``continuous`` refills a row as soon as its response ends and lets rows leave once no
-prompt waits (``eval.generate.ContinuousBatch``). Prints one JSON line: generated
+prompt waits (``prepare.generate.ContinuousBatch``). Prints one JSON line: generated
 tokens per second and the share of row-steps spent on rows already finished, per
 engine, and the speed ratio.
 """
@@ -46,9 +46,9 @@ def main(argv=None) -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from dflash_actors.eval.generate import InProcessEngine, SamplingSettings
-    from dflash_actors.eval.prepare import encode_prompt, load_tokenizer, read_prompts, template_settings
     from dflash_actors.models.target import resolve_target_dir
+    from dflash_actors.prepare.generate import InProcessEngine, SamplingSettings
+    from dflash_actors.prepare.regenerate import encode_prompt, load_tokenizer, read_prompts, template_settings
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)

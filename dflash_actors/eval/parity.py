@@ -36,11 +36,8 @@ from ..console import first_line
 from ..data.dataset import open_dataset
 from ..models.drafter import DFlashDrafter, is_drafter_dir
 from ..models.target import TargetModel, resolve_target_dir
-from ..train.checkpoint import STATE_FILE, latest_checkpoint, load_trainer_state
-from .decode import NgramProposer, repeat_proposer
-from .generate import stop_ids
-from .intervals import ratio_interval
-from .prepare import (
+from ..prepare.generate import stop_ids
+from ..prepare.regenerate import (
     PrepareError,
     TemplateSettings,
     add_template_args,
@@ -51,6 +48,9 @@ from .prepare import (
     template_opts,
     template_settings,
 )
+from ..train.checkpoint import STATE_FILE, latest_checkpoint, load_trainer_state
+from .decode import NgramProposer, repeat_proposer
+from .intervals import ratio_interval
 from .tau import (
     TargetTexts,
     clip_rows,

@@ -29,6 +29,7 @@ from ..data.synthetic import ensure_synthetic_dataset
 from ..models.drafter import build_drafter
 from ..models.loss import all_anchors, anchor_candidates, block_hidden, block_labels, decay_gamma, dflash_loss
 from ..models.target import ensure_target, load_target
+from ..prepare.regenerate import prompts_of, regenerate
 from .decode import (
     EXACT_ROWS,
     DrafterBlocks,
@@ -42,7 +43,6 @@ from .decode import (
     speculative_generate_rows,
 )
 from .intervals import mean_interval
-from .prepare import prompts_of, regenerate
 
 
 @torch.no_grad()

@@ -33,11 +33,11 @@ from ..config import ConfigError, add_config_args, config_from_args
 from ..data.batching import Batch, BatchBuffers, assemble
 from ..data.dataset import open_dataset
 from ..data.synthetic import train_path
-from ..eval.prepare import ensure_target_text
 from ..eval.tau import evaluate_drafter
 from ..models.drafter import DFlashDrafter, build_drafter
 from ..models.loss import BlockStats, Objective
 from ..models.target import load_target
+from ..prepare.regenerate import ensure_target_text
 from ..runtime.channels import dtype_name
 from ..train import feature_cache
 from ..train.drafter_step import drafter_step, step_options

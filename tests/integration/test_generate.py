@@ -7,8 +7,8 @@ import torch
 
 from dflash_actors.config import load_config
 from dflash_actors.eval.decode import greedy_cached
-from dflash_actors.eval.generate import ContinuousBatch, SamplingSettings, sample_next, sampling_probs
 from dflash_actors.models.target import ensure_target, load_target
+from dflash_actors.prepare.generate import ContinuousBatch, SamplingSettings, sample_next, sampling_probs
 from tests.support.pipeline import ROOT, SMALL
 
 

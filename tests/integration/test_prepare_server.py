@@ -22,7 +22,8 @@ import pytest
 
 from dflash_actors.config import load_config
 from dflash_actors.data.dataset import open_dataset
-from dflash_actors.eval.prepare import (
+from dflash_actors.models.target import resolve_target_dir
+from dflash_actors.prepare.regenerate import (
     SamplingSettings,
     TemplateSettings,
     encode_prompt,
@@ -31,8 +32,7 @@ from dflash_actors.eval.prepare import (
     prepare,
     read_metadata,
 )
-from dflash_actors.eval.serving import ServerSettings
-from dflash_actors.models.target import resolve_target_dir
+from dflash_actors.prepare.serving import ServerSettings
 from tests.support.leakcheck import TOKEN_VAR
 from tests.support.openai_stub import PROMPTS as QUESTIONS
 from tests.support.openai_stub import served_chat

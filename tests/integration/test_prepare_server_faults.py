@@ -18,7 +18,7 @@ import torch
 
 from dflash_actors.config import load_config
 from dflash_actors.data.dataset import open_dataset
-from dflash_actors.eval.prepare import (
+from dflash_actors.prepare.regenerate import (
     PrepareError,
     SamplingSettings,
     TemplateSettings,
@@ -28,7 +28,7 @@ from dflash_actors.eval.prepare import (
     read_metadata,
     render_prompt,
 )
-from dflash_actors.eval.serving import DatasetRefused, ServerFailed, ServerSettings, agreement
+from dflash_actors.prepare.serving import DatasetRefused, ServerFailed, ServerSettings, agreement
 from tests.support.openai_stub import PROMPTS, StubServer, hashed_model, served_chat
 from tests.support.pipeline import ROOT, free_port
 

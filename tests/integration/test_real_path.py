@@ -15,7 +15,8 @@ import torch
 from dflash_actors.config import load_config
 from dflash_actors.data.dataset import open_dataset
 from dflash_actors.eval.parity import main as evaluate_main
-from dflash_actors.eval.prepare import (
+from dflash_actors.models.drafter import DFlashDrafter
+from dflash_actors.prepare.regenerate import (
     PrepareError,
     SamplingSettings,
     encode_prompt,
@@ -23,7 +24,6 @@ from dflash_actors.eval.prepare import (
     prepare,
     read_metadata,
 )
-from dflash_actors.models.drafter import DFlashDrafter
 from tests.support.pipeline import ROOT, SMALL
 
 PROMPTS = [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"}]}
@@ -48,7 +48,7 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
     meta = read_metadata(out)
     assert len(ds) == len(PROMPTS) + 1 == meta["completions"] and meta["template"]["enable_thinking"] is False
     tok = load_tokenizer(target)
-    from dflash_actors.eval.prepare import TemplateSettings
+    from dflash_actors.prepare.regenerate import TemplateSettings
     settings = TemplateSettings(**meta["template"])
     for i in (0, 7, 8):
         ids, mask = ds.sample(i)
@@ -74,7 +74,7 @@ def test_prepare_writes_the_target_text_behind_the_chat_template(chat, tmp_path)
 def test_prepare_generates_in_the_dtype_asked_records_it_and_refuses_an_unknown_one(chat, tmp_path):
     # On the tiny target bf16 and fp32 greedy texts agree token for token (checked), so the
     # text cannot tell which ran: the generator's model is what must be bf16.
-    from dflash_actors.eval.generate import InProcessEngine
+    from dflash_actors.prepare.generate import InProcessEngine
     target, prompts = chat
     tok = load_tokenizer(target)
     for dtype, want in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):

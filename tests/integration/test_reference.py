@@ -8,10 +8,10 @@ import torch
 from dflash_actors.config import load_config
 from dflash_actors.data.dataset import open_dataset
 from dflash_actors.data.synthetic import flatten, write_token_dataset
-from dflash_actors.eval.prepare import ensure_target_text
 from dflash_actors.eval.tau import evaluate_drafter
 from dflash_actors.job.reference import main, train_reference
 from dflash_actors.models.drafter import DFlashDrafter
+from dflash_actors.prepare.regenerate import ensure_target_text
 
 ROOT = Path(__file__).resolve().parents[2]
 

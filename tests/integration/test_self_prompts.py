@@ -7,10 +7,10 @@ import pytest
 
 from dflash_actors.config import load_config
 from dflash_actors.data.dataset import open_dataset
-from dflash_actors.eval import self_prompts
-from dflash_actors.eval.prepare import load_tokenizer, read_metadata, read_prompts
-from dflash_actors.eval.prepare import main as prepare_main
-from dflash_actors.eval.self_prompts import (
+from dflash_actors.prepare import self_prompts
+from dflash_actors.prepare.regenerate import load_tokenizer, read_metadata, read_prompts
+from dflash_actors.prepare.regenerate import main as prepare_main
+from dflash_actors.prepare.self_prompts import (
     SelfPromptError,
     SelfPromptSettings,
     user_turn_header,

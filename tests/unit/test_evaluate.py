@@ -13,9 +13,9 @@ from dflash_actors.eval.decode import (
     greedy_generate,
     speculative_generate,
 )
-from dflash_actors.eval.prepare import regenerate
 from dflash_actors.eval.tau import completion_entropy, divergence, real_tau, simulated_tau, walk_tau
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
+from dflash_actors.prepare.regenerate import regenerate
 from tests.support.fitting import fit_briefly, heldout_prompts
 
 ROOT = Path(__file__).resolve().parents[2]

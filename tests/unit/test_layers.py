@@ -1,15 +1,15 @@
 """The package's folders are layers, and imports only run down them.
 
-    tools -> job -> {eval, actors, observe} -> train -> models -> {data, cluster}
-          -> config -> console -> runtime
+    tools -> job -> {eval, actors, observe} -> prepare -> train -> models
+          -> {data, cluster} -> config -> console -> runtime
 
-Operator tools on top, then the run, then its processes and what watches them, then
-shared state and math, then models and data, then the config and the terminal, then
-the generic runtime. A module may import its own folder and any lower layer, never a
-higher one nor a sibling on its own layer (the evaluator does not import the actors,
-the monitor or the job). Lazy imports inside functions count too. Inside the package
-every import is relative (one module, one name). ``test_runtime_generic`` keeps the
-bottom layer free of DFlash altogether.
+Operator tools on top, then the run, then its processes and what watches them, then the
+training data's regeneration, then shared state and math, then models and data, then the
+config and the terminal, then the generic runtime. A module may import its own folder
+and any lower layer, never a higher one nor a sibling on its own layer (the evaluator
+does not import the actors, the monitor or the job). Lazy imports inside functions count
+too. Inside the package every import is relative (one module, one name).
+``test_runtime_generic`` keeps the bottom layer free of DFlash altogether.
 """
 
 import ast
@@ -22,8 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "dflash_actors"
-LAYERS = (("tools",), ("job",), ("eval", "actors", "observe"), ("train",), ("models",), ("data", "cluster"),
-          ("config",), ("console",), ("runtime",))
+LAYERS = (("tools",), ("job",), ("eval", "actors", "observe"), ("prepare",), ("train",), ("models",),
+          ("data", "cluster"), ("config",), ("console",), ("runtime",))
 RANK = {group: depth for depth, groups in enumerate(LAYERS) for group in groups}
 
 
