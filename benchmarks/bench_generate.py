@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from dflash_actors.models.target import resolve_target_dir
+    from dflash_actors.models.target_dir import resolve_target_dir
     from dflash_actors.prepare.generate import InProcessEngine, SamplingSettings
     from dflash_actors.prepare.regenerate import encode_prompt, load_tokenizer, read_prompts, template_settings
 

@@ -101,7 +101,7 @@ def joined(files: list[Path], out: Path, limit: int | None) -> Path:
 def self_written(n: int, threads: int) -> tuple[Path, float]:
     """N prompts SmolLM2 writes itself (``prepare --self-prompts``'s first half), kept in
     ``.cache``, and the minutes they took when first written."""
-    from dflash_actors.models.target import resolve_target_dir
+    from dflash_actors.models.target_dir import resolve_target_dir
     from dflash_actors.prepare.regenerate import load_tokenizer
     from dflash_actors.prepare.self_prompts import SelfPromptSettings, write_self_prompts
 

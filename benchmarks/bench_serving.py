@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
     import transformers
     from transformers.utils import logging as hf_logging
 
-    from dflash_actors.models.target import resolve_target_dir
+    from dflash_actors.models.target_dir import resolve_target_dir
     from dflash_actors.prepare.regenerate import SamplingSettings, prepare, read_metadata
     from dflash_actors.prepare.serving import ServerSettings, agreement
 

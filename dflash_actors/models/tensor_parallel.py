@@ -34,6 +34,7 @@ import os
 import torch
 
 from ..config import ConfigError
+from .self_check import SELF_CHECK_TOLERANCE, SelfCheckError
 
 
 def check(cfg, config) -> None:
@@ -110,7 +111,7 @@ def check_split(target, path, rank: int, length: int = 16, seed: int = 0) -> str
     it (the split forward is collective), rank 0 compares. Raises ``SelfCheckError``;
     returns what was compared against, in a phrase.
 
-    The gang's own self-check (``models.target.self_check``) compares the wrapper with
+    The gang's own self-check (``models.self_check``) compares the wrapper with
     the split model's own forward, so a wrong split passes it. Here rank 0 rebuilds,
     unsplit and on its CPU, the first decoder layer and the deepest one the features use,
     from their tensors in the checkpoint's files (a layer of a 27B target is under 1 GB:
@@ -120,7 +121,6 @@ def check_split(target, path, rank: int, length: int = 16, seed: int = 0) -> str
     missing all-reduce, changes those outputs."""
     from torch import nn
 
-    from .target import SELF_CHECK_TOLERANCE, SelfCheckError
 
     decoder = target._decoder
     layers = sorted({0, max(target.feature_ids)})
@@ -184,7 +184,6 @@ def _plain(x):
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str, dtype) -> None:
-    from .target import SelfCheckError
 
     err, scale = float((got - want).abs().max()), float(want.abs().max())
     if not err <= tol * max(scale, 1.0):
@@ -198,7 +197,6 @@ def _checkpoint_files(path) -> list:
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        from .target import SelfCheckError
         raise SelfCheckError(f"topology.target_tp: {path} has no .safetensors files to check the split against")
     return files
 
@@ -226,5 +224,4 @@ def _read_rows(files, name: str, rows: list[int]) -> torch.Tensor:
             if name in st.keys():
                 sl = st.get_slice(name)
                 return torch.cat([sl[r:r + 1] for r in rows]).float()
-    from .target import SelfCheckError
     raise SelfCheckError(f"topology.target_tp: the checkpoint has no {name!r} to check the split against")

@@ -20,7 +20,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from ..data.dataset import open_dataset
 from ..data.synthetic import ensure_synthetic_dataset
 from ..runtime.files import write_atomically
-from .target import is_hf_dir
+from .target_dir import is_hf_dir
 
 
 def tiny_target_config(cfg) -> Qwen3Config:

@@ -44,7 +44,8 @@ import torch
 from ..console import first_line
 from ..data.dataset import open_dataset
 from ..data.synthetic import flatten, train_path, write_token_dataset
-from ..models.target import ensure_target, load_target, resolve_target_dir
+from ..models.target import ensure_target, load_target
+from ..models.target_dir import resolve_target_dir
 from ..runtime.files import write_atomically
 from .generate import InProcessEngine, SamplingSettings
 from .self_prompts import SelfPromptSettings, user_turn_header, write_self_prompts

@@ -188,7 +188,8 @@ def _check_rank(rank, world, port, path, layer_ids, wrong, out):
     two rows of its share of layer 0's query projection, as a misaligned split would),
     on a machine that claims a GPU: the rank is placed on the CPU and must stay there."""
     from dflash_actors.models import tensor_parallel
-    from dflash_actors.models.target import SelfCheckError, TargetModel, self_check
+    from dflash_actors.models.self_check import SelfCheckError, self_check
+    from dflash_actors.models.target import TargetModel
     torch.set_num_threads(1)
     torch._C._get_accelerator = lambda *a, **k: torch.device("cuda")   # a GPU host, as transformers sees it
     tensor_parallel.join(f"tcp://127.0.0.1:{port}", rank, world, torch.device("cpu"), 60)

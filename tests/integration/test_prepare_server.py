@@ -22,7 +22,7 @@ import pytest
 
 from dflash_actors.config import load_config
 from dflash_actors.data.dataset import open_dataset
-from dflash_actors.models.target import resolve_target_dir
+from dflash_actors.models.target_dir import resolve_target_dir
 from dflash_actors.prepare.regenerate import (
     SamplingSettings,
     TemplateSettings,

@@ -145,3 +145,32 @@ def test_every_folder_names_each_of_its_modules():
             if module.stem != "__init__" and not re.search(rf"\b{module.stem}\b", doc):
                 missing.append(f"{init.parent.name}/{module.name}")
     assert not missing, f"not named in their folder's __init__ docstring: {missing}"
+
+
+def test_no_module_imports_itself_back_through_another():
+    """Within a folder too, imports form no circle (one kept alive by imports inside
+    functions is still a circle: the two modules are one room)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        mod = _module(path, ROOT)
+        graph[mod] = {t for _, t, _ in imports(path) if t != mod}
+    names = set(graph)
+
+    def resolved(target: str) -> str | None:      # "pkg.mod.name" imports resolve to "pkg.mod"
+        while target and target not in names:
+            target = target.rpartition(".")[0]
+        return target or None
+    edges = {m: {r for t in ts if (r := resolved(t)) and r != m and not m.startswith(r + ".")}
+             for m, ts in graph.items()}
+    circles = []
+
+    def visit(m, path, seen):
+        for n in edges[m]:
+            if n == path[0]:
+                circles.append(" -> ".join(path + [n]))
+            elif n not in seen and n > path[0]:
+                seen.add(n)
+                visit(n, path + [n], seen)
+    for m in sorted(edges):
+        visit(m, [m], {m})
+    assert not circles, circles

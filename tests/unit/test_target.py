@@ -7,15 +7,8 @@ import torch
 
 from dflash_actors.config import load_config
 from dflash_actors.data.batching import Batch
-from dflash_actors.models.target import (
-    SelfCheckError,
-    TargetModel,
-    build_target_layer_ids,
-    ensure_target,
-    load_target,
-    placement,
-    self_check,
-)
+from dflash_actors.models.self_check import SelfCheckError, self_check
+from dflash_actors.models.target import TargetModel, build_target_layer_ids, ensure_target, load_target, placement
 
 ROOT = Path(__file__).resolve().parents[2]
 
