@@ -51,7 +51,7 @@ def acceptable_text(drafter, frozen, ids: torch.Tensor, feats: torch.Tensor, anc
     B, L = drafter.block_size, ids.shape[1]
     batch = Batch(ids[0], torch.arange(L), torch.ones(L, dtype=torch.int8), torch.tensor([0, L], dtype=torch.int32), L)
     blocks = lay_out(batch, [np.array(anchors)], B, "cpu")
-    from dflash_actors.models.loss import padded_hidden
+    from dflash_actors.models.blocks import padded_hidden
     with torch.no_grad():
         hidden = padded_hidden(drafter, frozen.embed_tokens, feats[0], blocks.p)[0][:, 1:]
         logits = frozen.lm_head(hidden)

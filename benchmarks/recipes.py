@@ -126,7 +126,7 @@ def outside_share(drafter, target, texts, vocab) -> float:
     import torch
 
     from dflash_actors.eval.tau import text_features
-    from dflash_actors.models.loss import anchor_candidates, block_hidden
+    from dflash_actors.models.blocks import anchor_candidates, block_hidden
 
     inside = torch.zeros(target.lm_head.weight.shape[0], dtype=torch.bool)
     inside[vocab] = True

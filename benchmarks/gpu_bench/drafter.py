@@ -88,7 +88,7 @@ def train_step(drafter, head, features, batch, objective, block_tokens: int | No
 
 def micro_batches(batch, objective, block_size: int, block_tokens: int | None) -> int:
     """How many micro-batches ``drafter_step`` splits batch 0 into."""
-    from dflash_actors.models.loss import batch_anchors
+    from dflash_actors.models.blocks import batch_anchors
     from dflash_actors.train.drafter_step import split_anchors
 
     anchors = batch_anchors(batch, objective.num_anchors, objective.seed, 0, 0)

@@ -2,8 +2,9 @@
 an HF directory, ``pkg:NAME``, GGUF converted once), its self-check (``self_check``), its
 tensor-parallel gang (``tensor_parallel``) and the weights its actors share
 (``shared_weights``), the demo's tiny target (``tiny``), the drafter (``drafter``) and
-DFlash2's convolution and selector (``dflash2``), the DFlash objective (``loss``) and its
-vocabulary head's cross-entropy (``head_loss``), the target's slice a drafter needs
+DFlash2's convolution and selector (``dflash2``), the DFlash objective (``loss``) over the
+block layout (``blocks``: anchors, visibility, the forward over blocks) and its vocabulary
+head's cross-entropy (``head_loss``), the target's slice a drafter needs
 (``head``), and the modeling file every exported DFlash drafter carries (``hf_dflash``).
 
 No circle: ``target`` imports ``target_dir``, ``tiny`` and ``tensor_parallel``; they

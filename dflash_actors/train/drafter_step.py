@@ -28,11 +28,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..models.blocks import batch_anchors
 from ..models.head_loss import as_rows
 from ..models.loss import (
     BlockStats,
     Objective,
-    batch_anchors,
     batch_vocab,
     block_stats,
     blocks_loss,

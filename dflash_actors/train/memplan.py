@@ -312,10 +312,10 @@ def _code_version() -> str:
     import transformers
 
     from ..data import batching
-    from ..models import dflash2, drafter, head_loss, target
+    from ..models import blocks, dflash2, drafter, head_loss, target
     from . import optim
     parts = [torch.__version__, transformers.__version__]
-    for module in (memtrace, L, head_loss, drafter, dflash2, target, batching, optim):
+    for module in (memtrace, L, blocks, head_loss, drafter, dflash2, target, batching, optim):
         parts.append(hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest())
     return ":".join(parts)
 

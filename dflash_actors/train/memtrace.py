@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..data.batching import Batch
+from ..models import blocks as BL
 from ..models import loss as L
 from ..models.dflash2 import SelectorObjective
 from ..models.drafter import DFlashDrafter, drafter_config
@@ -168,7 +169,7 @@ def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_l
                  head.embed_tokens.weight, head.lm_head.weight, features]
         live, saved = Live(), []
         live.known(start)
-        attention = L.attention_as(flex_stand_in) if cuda else contextlib.nullcontext()
+        attention = BL.attention_as(flex_stand_in) if cuda else contextlib.nullcontext()
         with attention, live:
             with saved_bytes(start, saved):
                 value, _ = L.blocks_loss(drafter, head, features, blocks, 7.0,

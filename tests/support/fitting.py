@@ -9,7 +9,8 @@ from dflash_actors.data.batching import Batch
 from dflash_actors.data.dataset import open_dataset
 from dflash_actors.data.synthetic import ensure_synthetic_dataset
 from dflash_actors.eval.decode import greedy_cached
-from dflash_actors.models.loss import all_anchors, dflash_loss
+from dflash_actors.models.blocks import all_anchors
+from dflash_actors.models.loss import dflash_loss
 
 
 def heldout_prompts(cfg, n: int) -> list[torch.Tensor]:

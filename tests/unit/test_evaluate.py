@@ -307,7 +307,7 @@ def test_drafter_correct_stops_at_the_first_wrong_slot(setup, fitted):
     """The vocabulary head runs only while a block is still right; what it returns equals
     the whole head's verdict up to each block's first wrong slot."""
     from dflash_actors.eval.tau import drafter_correct
-    from dflash_actors.models.loss import anchor_candidates, block_hidden, block_labels
+    from dflash_actors.models.blocks import anchor_candidates, block_hidden, block_labels
     cfg, target, _ = setup
     drafter = fitted
     prompt = heldout_prompts(cfg, 1)[0]

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from dflash_actors.config import load_config
 from dflash_actors.data.batching import Batch
+from dflash_actors.models import blocks as BL
 from dflash_actors.models import head_loss as H
 from dflash_actors.models import loss as L
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
@@ -54,7 +55,7 @@ def hidden(drafter, target, feats, ids, anchors, embed=None):
     the sequence at row 1 between ``LONGER`` and ``SHORTER``."""
     batch = packed([LONGER, torch.as_tensor(ids).tolist(), SHORTER])
     feats = torch.cat([target.features(packed([LONGER])), feats, target.features(packed([SHORTER]))])
-    h, p = L.batch_hidden(drafter, embed or target.embed_tokens, feats, batch,
+    h, p = BL.batch_hidden(drafter, embed or target.embed_tokens, feats, batch,
                           [LONGER_ANCHORS, np.asarray(anchors), SHORTER_ANCHORS])
     assert p.seq == [0, 1, 2]
     return h[1, :len(anchors)]
@@ -88,7 +89,7 @@ def attention_and_grads(attend, q, k, v):
 
 
 def test_dense_mask_is_strict_and_block_local():
-    m = L.block_mask_dense(torch.tensor([[2, 3]]), torch.tensor([5]), ctx_len=5, block_size=2)[0, 0].int()
+    m = BL.block_mask_dense(torch.tensor([[2, 3]]), torch.tensor([5]), ctx_len=5, block_size=2)[0, 0].int()
     assert m.tolist() == [
         # ctx 0..4    block0  block1
         [1, 1, 0, 0, 0, 1, 1, 0, 0],   # block 0 (a=2) sees ctx < 2 only
@@ -100,7 +101,7 @@ def test_dense_mask_is_strict_and_block_local():
 
 def test_batched_dense_mask_is_per_row():
     # Row 0: length 5, anchors 2 and 4; row 1: length 3, one anchor 1 and a padding block.
-    m = L.block_mask_dense(torch.tensor([[2, 4], [1, 0]]), torch.tensor([5, 3]), ctx_len=5, block_size=2)
+    m = BL.block_mask_dense(torch.tensor([[2, 4], [1, 0]]), torch.tensor([5, 3]), ctx_len=5, block_size=2)
     assert m.shape == (2, 1, 4, 9)
     assert m[:, 0].int().tolist() == [
         [   # ctx 0..4       block0  block1
@@ -117,7 +118,7 @@ def test_batched_dense_mask_is_per_row():
         ],
     ]
     # A row's padding columns stay hidden even from an anchor past them.
-    m = L.block_mask_dense(torch.tensor([[4], [4]]), torch.tensor([5, 2]), ctx_len=5, block_size=1)
+    m = BL.block_mask_dense(torch.tensor([[4], [4]]), torch.tensor([5, 2]), ctx_len=5, block_size=1)
     assert m[:, 0, 0, :5].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
 
 
@@ -125,36 +126,36 @@ def test_labels_are_same_position_and_masked():
     tokens = torch.arange(100, 112)
     lm = torch.ones(12, dtype=torch.int8)
     lm[7] = 0
-    labels, valid = L.block_labels(tokens, lm, torch.tensor([3, 9]), block_size=4)
+    labels, valid = BL.block_labels(tokens, lm, torch.tensor([3, 9]), block_size=4)
     assert labels[0].tolist() == [103, 104, 105, 106]        # slot k -> tok[a+k], no shift
     assert valid[0].tolist() == [False, True, True, True]    # slot 0 (the anchor) never supervised
     assert valid[1].tolist() == [False, True, True, False]   # 9+3 runs past the end
-    labels, valid = L.block_labels(tokens, lm, torch.tensor([5]), block_size=4)
+    labels, valid = BL.block_labels(tokens, lm, torch.tensor([5]), block_size=4)
     assert valid[0].tolist() == [False, True, False, True]   # loss_mask[7] == 0
     # Right-padded rows: a row's padding (loss_mask 0) is as invalid as its end.
     tok2 = torch.stack([tokens, torch.cat([tokens[:6], torch.zeros(6, dtype=torch.long)])])
     lm2 = torch.stack([lm, torch.tensor([1] * 6 + [0] * 6, dtype=torch.int8)])
-    labels, valid = L.block_labels(tok2, lm2, torch.tensor([[9], [3]]), block_size=4)
+    labels, valid = BL.block_labels(tok2, lm2, torch.tensor([[9], [3]]), block_size=4)
     assert labels[1, 0, :3].tolist() == [103, 104, 105]
     assert valid[:, 0].tolist() == [[False, True, True, False], [False, True, True, False]]
 
 
 def test_anchor_candidates_need_two_supervised_tokens():
     m = np.array([0, 0, 1, 1, 1, 0, 1, 0, 1, 1])
-    assert L.anchor_candidates(m).tolist() == [2, 3, 8]
+    assert BL.anchor_candidates(m).tolist() == [2, 3, 8]
 
 
 def test_anchor_sampling_is_seeded_by_position_not_global_state():
     b = packed([seq(40, 1), seq(30, 2)])
-    a1 = L.batch_anchors(b, 8, seed=0, epoch=1, batch_id=5)
+    a1 = BL.batch_anchors(b, 8, seed=0, epoch=1, batch_id=5)
     torch.manual_seed(123)
     np.random.seed(123)
-    a2 = L.batch_anchors(b, 8, seed=0, epoch=1, batch_id=5)
+    a2 = BL.batch_anchors(b, 8, seed=0, epoch=1, batch_id=5)
     assert all(np.array_equal(x, y) for x, y in zip(a1, a2))
     assert all(len(x) == 8 and np.all(np.diff(x) > 0) and x.max() <= n - 2 for x, n in zip(a1, (40, 30)))
-    other = L.batch_anchors(b, 8, seed=0, epoch=1, batch_id=6)
+    other = BL.batch_anchors(b, 8, seed=0, epoch=1, batch_id=6)
     assert not np.array_equal(a1[0], other[0])
-    few = L.batch_anchors(packed([seq(6, 3)]), 8, seed=0, epoch=0, batch_id=0)
+    few = BL.batch_anchors(packed([seq(6, 3)]), 8, seed=0, epoch=0, batch_id=0)
     assert few[0].tolist() == [0, 1, 2, 3, 4]      # fewer candidates than anchors: all of them
 
 
@@ -167,16 +168,16 @@ def test_gamma_defaults():
 
 def test_autocast_is_bf16_on_cuda_by_default_and_on_cpu_when_asked():
     for device, dtype in [("cpu", "auto"), (torch.device("cpu"), "float32"), ("cuda", "float32")]:
-        assert isinstance(L.autocast_for(device, dtype), contextlib.nullcontext)
-    ac = L.autocast_for("cpu", "bfloat16")
+        assert isinstance(BL.autocast_for(device, dtype), contextlib.nullcontext)
+    ac = BL.autocast_for("cpu", "bfloat16")
     assert isinstance(ac, torch.autocast) and ac.device == "cpu" and ac.fast_dtype == torch.bfloat16
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # without CUDA torch disables it, saying so
         for dtype in ("auto", "bfloat16"):
-            ac = L.autocast_for(torch.device("cuda", 0), dtype)
+            ac = BL.autocast_for(torch.device("cuda", 0), dtype)
             assert isinstance(ac, torch.autocast) and ac.device == "cuda" and ac.fast_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="compute_dtype"):
-        L.autocast_for("cpu", "float16")
+        BL.autocast_for("cpu", "float16")
 
 
 # -- flex_attention -------------------------------------------------------------
@@ -197,8 +198,8 @@ def test_flex_block_mask_matches_dense_mask_on_cpu(monkeypatch):
     from torch.nn.attention import flex_attention as fa
 
     q, k, v, anchors, lengths, C, B = attention_case("cpu")
-    dense = L.block_mask_dense(anchors, lengths, C, B)
-    bm = L.flex_block_mask(anchors, lengths, C, B)
+    dense = BL.block_mask_dense(anchors, lengths, C, B)
+    bm = BL.flex_block_mask(anchors, lengths, C, B)
     (R, _, Q, KV), (tq, tk) = dense.shape, bm.BLOCK_SIZE
     nq, nk = -(-Q // tq), -(-KV // tk)
     assert nq > 1 and nk > 2                      # several tiles, so the tables say something
@@ -216,7 +217,7 @@ def test_flex_block_mask_matches_dense_mask_on_cpu(monkeypatch):
     assert torch.equal(full, tiles.all(5).all(3)) and not (full & partial).any()
 
     monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
-    attend = L.flex_attend(bm, fa.flex_attention)         # what make_attend returns on CUDA, eager
+    attend = BL.flex_attend(bm, fa.flex_attention)         # what make_attend returns on CUDA, eager
     flex = attention_and_grads(attend, q, k, v)
     ref = attention_and_grads(sdpa_dense(dense), q, k, v)
     for a, b in zip(flex, ref):
@@ -225,7 +226,7 @@ def test_flex_block_mask_matches_dense_mask_on_cpu(monkeypatch):
     # with bf16 values: autocast casts sdpa's inputs, the wrapper casts flex's (compiled
     # flex may not take mixed dtypes; eager flex here does, so a spy checks the wrapper).
     seen = []
-    spy = L.flex_attend(bm, lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or fa.flex_attention(
+    spy = BL.flex_attend(bm, lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or fa.flex_attention(
         q, k, v, **kw))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = spy(q, k, v.bfloat16())
@@ -239,9 +240,9 @@ def test_flex_block_mask_matches_dense_mask_on_cpu(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flex_attention_matches_dense_mask_on_cuda():
     q, k, v, anchors, lengths, C, B = attention_case("cuda")
-    attend = L.make_attend(anchors, lengths, C, B)            # compiled flex on CUDA
+    attend = BL.make_attend(anchors, lengths, C, B)            # compiled flex on CUDA
     flex = attention_and_grads(attend, q, k, v)
-    ref = attention_and_grads(sdpa_dense(L.block_mask_dense(anchors, lengths, C, B)), q, k, v)
+    ref = attention_and_grads(sdpa_dense(BL.block_mask_dense(anchors, lengths, C, B)), q, k, v)
     for a, b in zip(flex, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -263,7 +264,7 @@ def oracle_cases():
         masks = [(rng.random(n) > 0.15).astype(int).tolist() for n in lengths]
         anchors = []
         for m in masks:
-            cand = L.anchor_candidates(np.array(m))
+            cand = BL.anchor_candidates(np.array(m))
             anchors.append(np.sort(rng.choice(cand, rng.integers(0, len(cand) + 1), replace=False)))
         anchors[int(rng.integers(len(anchors)))] = np.array([], np.int64)
         cases.append((packed([seq(int(n), 30 + 10 * seed + i) for i, n in enumerate(lengths)], masks), anchors))
@@ -425,7 +426,7 @@ def test_other_packed_sequences_are_invisible(setup):
 
     def rows(seqs, anchors):
         batch = packed(seqs)
-        h, p = L.batch_hidden(d, target.embed_tokens, target.features(batch), batch, anchors)
+        h, p = BL.batch_hidden(d, target.embed_tokens, target.features(batch), batch, anchors)
         return [h[r, :len(a)] for r, a in enumerate(anchors)]
     base = rows(seqs, anchors)
     same_shape = rows([seqs[0], seq(30, 13), seqs[2]], anchors)
@@ -452,7 +453,7 @@ def test_loss_is_weighted_mean_of_block_ce(setup):
     num = den = 0.0
     for (s, e), a in zip(batch.sequences(), anchors):
         h = hidden(d, target, feats[s:e], batch.input_ids[s:e], a)
-        lab, valid = L.block_labels(batch.input_ids[s:e], batch.loss_mask[s:e], torch.tensor(a), d.block_size)
+        lab, valid = BL.block_labels(batch.input_ids[s:e], batch.loss_mask[s:e], torch.tensor(a), d.block_size)
         ce = torch.nn.functional.cross_entropy(target.lm_head(h).flatten(0, 1), lab.flatten(), reduction="none")
         w = (valid.float() * decay).flatten()
         num, den = num + (ce * w).sum(), den + w.sum()
@@ -464,7 +465,7 @@ def test_chunked_ce_matches_unchunked(setup, monkeypatch):
     cfg, target, d = setup
     batch = packed([seq(40, 15), seq(33, 16)])
     feats = target.features(batch)
-    anchors = L.batch_anchors(batch, 8, 0, 0, 0)
+    anchors = BL.batch_anchors(batch, 8, 0, 0, 0)
 
     def loss_and_grads():
         d.zero_grad(set_to_none=True)
@@ -484,7 +485,7 @@ def test_no_anchor_batch_gives_zero_gradients(setup):
     _, target, d = setup
     batch = packed([seq(12, 17)], [[0] * 12])
     d.zero_grad(set_to_none=True)
-    loss, stats = L.dflash_loss(d, target, target.features(batch), batch, L.all_anchors(batch), 4.0)
+    loss, stats = L.dflash_loss(d, target, target.features(batch), batch, BL.all_anchors(batch), 4.0)
     loss.backward()
     assert stats.blocks == 0 and float(loss.detach()) == 0.0
     assert all(p.grad is not None and not p.grad.any() for p in d.parameters())
@@ -690,7 +691,7 @@ def test_restricted_head_in_the_block_loss(setup):
     _, target, d = setup
     batch = packed([seq(40, 15), seq(33, 16)])
     feats = target.features(batch)
-    anchors = L.batch_anchors(batch, 8, 0, 0, 0)
+    anchors = BL.batch_anchors(batch, 8, 0, 0, 0)
     V = target.lm_head.weight.shape[0]
     full, fs = L.dflash_loss(d, target, feats, batch, anchors, 4.0)
     every, es = L.dflash_loss(d, target, feats, batch, anchors, 4.0, vocab=torch.arange(V))
@@ -728,7 +729,7 @@ def test_bf16_features_reach_fc_without_an_fp32_copy(tiny):
     d = build_drafter(cfg, target)
     batch = packed([seq(40, 1), seq(30, 2)])
     feats = target.features(batch).bfloat16()
-    anchors = L.batch_anchors(batch, 8, 0, 0, 0)
+    anchors = BL.batch_anchors(batch, 8, 0, 0, 0)
 
     class Copies(TorchDispatchMode):
         """Counts fp32 copies made of the rows gathered from ``feats``."""
