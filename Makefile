@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TOPOLOGY ?= 2-2
 
-.PHONY: setup demo test slow chaos bench lint clean smollm
+.PHONY: setup demo check test slow chaos bench lint clean smollm
 
 setup: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): setup.cfg pyproject.toml
 # with: python launch.py --topology 2-2 --resume runs/demo-...).
 demo: setup
 	$(PY) launch.py --topology $(TOPOLOGY) --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+# The inner loop: the unit tests and one pipeline against the reference (bit for bit).
+check: setup
+	$(PY) -m pytest -q -m "not slow and not chaos" tests/unit \
+		"tests/integration/test_pipeline.py::test_pipeline_is_bit_identical_to_reference[1-1-pipelined]"
 
 test: setup
 	$(PY) -m pytest -q -m "not slow and not chaos" tests
