@@ -62,7 +62,8 @@ from ..runtime.channels import Ring, dtype_name
 from ..runtime.events import EventLog
 from ..runtime.faults import strike_self
 from ..runtime.forking import ForkServerStarter
-from ..runtime.supervisor import JobResult, JobState, Supervisor
+from ..runtime.outcome import JobResult, JobState
+from ..runtime.supervisor import Supervisor
 from ..train import feature_cache
 from ..train.checkpoint import (
     MANIFEST,

@@ -23,5 +23,6 @@ through stages of actor processes, with the data in preallocated shared-memory r
     status      the runtime's block of status.json
     faults      runtime.faults checked against the actors; faults aimed at the supervisor
     wakeup      what wakes the supervisor's loop: SIGINT/SIGTERM and other threads
+    outcome     how a run ended: JobState, JobResult (reason, exit code, commits, restarts)
     supervisor  the loop and its decisions: spawn, watch, restart, give up or stop
 """

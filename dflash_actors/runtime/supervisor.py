@@ -54,13 +54,11 @@ The training job's wiring (``dflash_actors.job.wiring``) is the real example.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Optional
@@ -82,6 +80,7 @@ from .files import cannot_write, write_atomically
 from .health import Health
 from .ledger import Ledger
 from .messages import ActorError, Done, Note, Ready, Starting, Stop
+from .outcome import JobResult, JobState
 from .policy import Decision, RestartPolicy
 from .trace import SUPERVISOR_TRACK, Tracer, Window, clear, merge, part_path
 from .wakeup import Wakeup
@@ -89,31 +88,6 @@ from .wakeup import Wakeup
 STATUS_PERIOD_S = 1.0   # between status.json writes (``status``)
 TERM_WAIT_S = 2.0       # after SIGTERM, before SIGKILL
 
-
-
-class JobState(enum.Enum):
-    RUNNING = "running"
-    STOPPING = "stopping"
-    DONE = "done"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-@dataclass
-class JobResult:
-    state: JobState
-    reason: str
-    """``finished``, the signal name, or the one-line error."""
-    traceback: Optional[str] = None
-    committed: list[int] = field(default_factory=list)
-    """Batch ids in the order the last stage committed them."""
-    restarts: dict[str, int] = field(default_factory=dict)
-    raised: Optional[BaseException] = None
-    """The ``Escalate`` or ``ProtocolError`` that stopped the job (decision RAISE), for the caller."""
-
-    @property
-    def exit_code(self) -> int:
-        return {JobState.DONE: 0, JobState.STOPPED: 130}.get(self.state, 1)
 
 
 class Supervisor:

@@ -4,7 +4,7 @@ start_timeout_s, however long the whole start takes."""
 
 import signal
 
-from dflash_actors.runtime.supervisor import JobState
+from dflash_actors.runtime.outcome import JobState
 from tests.support.runtime import Striker, assert_exactly_once, events, runtime
 from tests.support.toy import toy_job
 

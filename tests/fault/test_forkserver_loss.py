@@ -13,7 +13,7 @@ import time
 
 import psutil
 
-from dflash_actors.runtime.supervisor import JobState
+from dflash_actors.runtime.outcome import JobState
 from tests.support.runtime import ROOT, all_gone, assert_exactly_once, events, runtime, wait_for
 from tests.support.toy import toy_job
 

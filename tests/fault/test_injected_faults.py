@@ -7,7 +7,7 @@ import pytest
 
 from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
-from dflash_actors.runtime.supervisor import JobState
+from dflash_actors.runtime.outcome import JobState
 from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
 from tests.support.runtime import assert_exactly_once, runtime
 from tests.support.toy import toy_job

@@ -26,7 +26,7 @@ from dflash_actors.job.reference import train_reference
 from dflash_actors.job.rundir import LOCK_FILE, RunDirLock
 from dflash_actors.models.drafter import WEIGHTS
 from dflash_actors.runtime.channels import Ring
-from dflash_actors.runtime.supervisor import JobResult, JobState
+from dflash_actors.runtime.outcome import JobResult, JobState
 from dflash_actors.train.checkpoint import (
     MANIFEST,
     checkpoint_problem,

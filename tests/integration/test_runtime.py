@@ -12,7 +12,7 @@ import psutil
 from dflash_actors.observe import statusview
 from dflash_actors.observe.status import read as read_status
 from dflash_actors.runtime.messages import ProtocolError
-from dflash_actors.runtime.supervisor import JobState
+from dflash_actors.runtime.outcome import JobState
 from tests.support.runtime import assert_exactly_once, events, runtime
 from tests.support.toy import toy_job
 
