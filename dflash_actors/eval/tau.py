@@ -71,12 +71,13 @@ def walk_tau(drafter, target, dataset) -> float:
 
 
 @torch.no_grad()
-def walk_counts(drafter, target, dataset, keep: list | None = None) -> tuple[list[int], list[int]]:
-    """``walk_tau``'s tokens and verify steps per text (for intervals over texts).
-    ``keep``, if given, receives each text's ``drafter_correct`` pair, so simulated
-    metrics (``text_metrics``) come from the same pass."""
+def walk_counts(drafter, target, dataset, keep: list | None = None,
+                limit: int | None = None) -> tuple[list[int], list[int]]:
+    """``walk_tau``'s tokens and verify steps per text (for intervals over texts), over
+    the first ``limit`` texts (all by default). ``keep``, if given, receives each text's
+    ``drafter_correct`` pair, so simulated metrics (``text_metrics``) come from the same pass."""
     tokens, steps = [], []
-    for i in range(len(dataset)):
+    for i in range(min(len(dataset), limit if limit is not None else len(dataset))):
         ids, mask = dataset.sample(i)
         correct, valid = drafter_correct(drafter, target, torch.from_numpy(ids), mask)
         if keep is not None:

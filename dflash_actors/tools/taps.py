@@ -122,10 +122,9 @@ def measure(cfg: Config, taps: tuple[int, ...], steps: int, heldout: str, texts:
     drafter.eval()
     ds = open_dataset(cfg.data, progress=False, path=heldout)
     n = min(texts, len(ds))
-    sub = _First(ds, n)
     pairs: list = []
     with torch.no_grad():
-        tokens, vsteps = walk_counts(drafter, target, sub, keep=pairs)
+        tokens, vsteps = walk_counts(drafter, target, ds, keep=pairs, limit=n)
     sim = text_metrics(np.concatenate([c for c, _ in pairs]), np.concatenate([v for _, v in pairs]))
     tail = res.losses[-5:]
     return {"taps": list(taps), "steps": res.steps, "walk_tau": round(sum(tokens) / max(sum(vsteps), 1), 4),
@@ -133,19 +132,6 @@ def measure(cfg: Config, taps: tuple[int, ...], steps: int, heldout: str, texts:
             "per_position": sim["per_position"], "loss": round(sum(tail) / len(tail), 4),
             "s_per_step": round(train_s / max(res.steps, 1), 3), "texts": n,
             "walk_tokens": tokens, "walk_steps": vsteps}
-
-
-class _First:
-    """The first ``n`` samples of a dataset, as ``walk_counts`` reads one."""
-
-    def __init__(self, ds, n: int):
-        self.ds, self.n = ds, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def sample(self, i: int):
-        return self.ds.sample(i)
 
 
 class Runner:

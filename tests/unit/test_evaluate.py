@@ -211,15 +211,8 @@ def test_evaluator_walk_is_the_walk_over_its_texts(setup, fitted):
     from dflash_actors.eval.tau import walk_counts
     cfg, target, _ = setup
     ds = open_dataset(cfg.data, progress=False, path=heldout_path(cfg))
-
-    class First:
-        def __len__(self):
-            return min(len(ds), 8)
-
-        def sample(self, i):
-            return ds.sample(i)
     got = evaluate_version(fitted, target, HeldOut(cfg, target, 8, 0, 16))["walk"]
-    tokens, steps = walk_counts(fitted, target, First())
+    tokens, steps = walk_counts(fitted, target, ds, limit=8)
     assert (got["tokens"], got["steps"]) == (tokens, steps) and got["tau"] == round(sum(tokens) / sum(steps), 4)
 
 
