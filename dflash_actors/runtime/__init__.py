@@ -18,11 +18,13 @@ through stages of actor processes, with the data in preallocated shared-memory r
     files       write-then-rename: how every shared file and directory is replaced
     trace       where each actor spent its time: spans merged into trace.json
     policy      what a death means: restart, give up, or raise to the caller
-    children    the supervisor's record of each actor (its process, pipe, a gang's ranks)
+    children    the supervisor's record of each actor (its process, pipe, start-up phase,
+                a gang's ranks)
+    group       the actors' processes: start, read, signal, stop; gangs; a lost fork server
     health      hung (killed) and stuck (shown) actors, from heartbeats and start-up progress
     status      the runtime's block of status.json
     faults      runtime.faults checked against the actors; faults aimed at the supervisor
     wakeup      what wakes the supervisor's loop: SIGINT/SIGTERM and other threads
     outcome     how a run ended: JobState, JobResult (reason, exit code, commits, restarts)
-    supervisor  the loop and its decisions: spawn, watch, restart, give up or stop
+    supervisor  the loop and its decisions over the group: restart, give up, raise or stop
 """

@@ -18,6 +18,19 @@ from .policy import RestartPolicy
 
 
 @dataclass
+class StartPhase:
+    """An actor's newest start-up phase until it is Ready (``messages.Starting``):
+    what health reads to tell a slow start from a hung one, and status.json shows."""
+    name: str
+    since: float
+    """When the phase began (monotonic)."""
+    last: float
+    """When any rank last showed progress in it (monotonic)."""
+    done: Optional[int] = None
+    total: Optional[int] = None
+
+
+@dataclass
 class Rank:
     """A gang's rank above 0 (``Stage.gang``): its own process, pipe and heartbeat row."""
     rank: int
@@ -48,9 +61,8 @@ class Child:
     last_error: Optional[ActorError] = None
     """Kept across restarts, for the give-up line; ``error`` is this incarnation's."""
     error: Optional[ActorError] = None
-    starting: Optional[dict] = None
-    """Until Ready: the newest startup phase (``Starting``), with when it began and
-    when it last said something (monotonic)."""
+    starting: Optional[StartPhase] = None
+    """Until Ready: the newest start-up phase."""
     stuck: Optional[str] = None
     ps: Optional[psutil.Process] = None
     busy: collections.deque = field(default_factory=collections.deque)

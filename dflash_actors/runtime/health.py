@@ -19,7 +19,7 @@ from .config import RuntimeConfig
 
 def progressed_at(c: Child) -> float:
     """When ``c``, not yet ready, last showed start-up progress (any rank's)."""
-    return c.starting["last"] if c.starting is not None else c.spawned_at
+    return c.starting.last if c.starting is not None else c.spawned_at
 
 
 class Health:
@@ -48,7 +48,7 @@ class Health:
         if not c.ready:
             idle = now - progressed_at(c)
             if idle > self.cfg.start_timeout_s:
-                phase = f" in {c.starting['name']!r}" if c.starting else ""
+                phase = f" in {c.starting.name!r}" if c.starting else ""
                 return (f"not ready: no start-up progress{phase} for {idle:.1f}s, {now - c.spawned_at:.1f}s after "
                         f"spawn (start_timeout_s={self.cfg.start_timeout_s:g})")
             return None
@@ -81,8 +81,8 @@ class Health:
                     age = now - self.heartbeats.row(c.number)["beat"]
                     if age > self.cfg.stuck_s:
                         reason = f"no heartbeat for {age:.1f} s"
-                elif c.starting is not None and now - c.starting["last"] > self.cfg.hang_timeout_s:
-                    reason = f"no progress in {c.starting['name']!r} for {now - c.starting['last']:.0f} s"
+                elif c.starting is not None and now - c.starting.last > self.cfg.hang_timeout_s:
+                    reason = f"no progress in {c.starting.name!r} for {now - c.starting.last:.0f} s"
             if reason and not c.stuck:
                 self.log("stuck", actor=c.actor_id, reason=reason)
             elif c.stuck and not reason:

@@ -10,7 +10,7 @@ from typing import Optional
 import psutil
 
 from .actor import Heartbeats
-from .children import Child
+from .children import Child, StartPhase
 
 STATUS_FILE = "status.json"
 """In the run directory."""
@@ -81,8 +81,8 @@ def usage(ps: Optional[psutil.Process]) -> tuple[Optional[float], Optional[float
         return None, None
 
 
-def phase(starting: Optional[dict], now: float) -> Optional[dict]:
+def phase(starting: Optional[StartPhase], now: float) -> Optional[dict]:
     if starting is None:
         return None
-    return {"name": starting["name"], "done": starting["done"], "total": starting["total"],
-            "elapsed_s": round(now - starting["since"], 1), "idle_s": round(now - starting["last"], 1)}
+    return {"name": starting.name, "done": starting.done, "total": starting.total,
+            "elapsed_s": round(now - starting.since, 1), "idle_s": round(now - starting.last, 1)}

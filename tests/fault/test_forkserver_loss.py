@@ -35,7 +35,7 @@ def _strike_server(sup, sig, then=None):
     def run():
         try:
             pids = wait_for(lambda: _working(sup), "the job at work")
-            done["server"], done["actors"] = sup._server.pid, pids
+            done["server"], done["actors"] = sup.group.server_pid, pids
             os.kill(done["server"], sig)
             if then is not None:
                 then(pids)
@@ -93,8 +93,7 @@ def test_a_fork_server_lost_past_the_restart_intensity_gives_way_to_spawn(tmp_pa
     strikes = []
 
     def new_server():
-        server = sup._server     # read once: the supervisor's thread replaces it
-        pid = server.pid if server is not None else None
+        pid = sup.group.server_pid
         return pid if pid not in (None, *strikes) and _working(sup) else None
 
     def striker():
@@ -109,7 +108,7 @@ def test_a_fork_server_lost_past_the_restart_intensity_gives_way_to_spawn(tmp_pa
     assert result.state is JobState.DONE, result.reason
     assert_exactly_once(sup, results, result, 200)
     assert result.restarts["forkserver"] == 2
-    assert sup.start_method == "spawn" and sup.status()["forkserver_pid"] is None
+    assert sup.group.start_method == "spawn" and sup.status()["forkserver_pid"] is None
     given_up = events(tmp_path / "run", "forkserver_given_up")
     assert len(given_up) == 1 and "lost 2 times within 300s" in given_up[0]["reason"]
 

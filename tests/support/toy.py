@@ -193,11 +193,12 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
             n_targets: int = 1, n_drafters: int = 1, model: str | None = None,
             contradict_at: int | None = None, target_gang: int = 1,
             escalate_rank: int | None = None, target_start_s: float = 0.0,
-            target_start_counts: bool = True) -> tuple[Supervisor, torch.Tensor]:
+            target_start_counts: bool = True, group=None) -> tuple[Supervisor, torch.Tensor]:
     """A supervisor over loader -> [target ->] drafter (the sink) with toy actors, and
     the shared results table the sink fills. ``stages`` is 2 (loader -> drafter over
     the batch ring) or 3 (with targets and a feature ring); ``target_gang``: processes
-    per target actor (``Stage.gang``)."""
+    per target actor (``Stage.gang``); ``group``: the supervisor's group factory (real
+    processes when None)."""
     if stages not in (2, 3):
         raise ValueError("stages is 2 or 3")
     results = torch.full((n_batches,), -1, dtype=torch.int64).share_memory_()
@@ -223,7 +224,8 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
     else:
         plan.append(Stage("drafter", ToySink, S.LOADED, S.COMMITTED, count=n_drafters, in_ring="batch",
                           route=route, spec=sink))
-    return Supervisor(runtime, plan, rings, n_batches, meta_cols=2), results
+    extra = {"group": group} if group is not None else {}
+    return Supervisor(runtime, plan, rings, n_batches, meta_cols=2, **extra), results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 processes, stand-ins that record what is done to them."""
 
 from dflash_actors.runtime.actor import HB, Heartbeats
-from dflash_actors.runtime.children import Child, Rank
+from dflash_actors.runtime.children import Child, Rank, StartPhase
 from dflash_actors.runtime.config import RuntimeConfig
 from dflash_actors.runtime.health import Health
 
@@ -43,7 +43,7 @@ def test_a_silent_ready_actor_is_killed_and_a_beating_one_is_not():
 
 
 def test_start_up_counts_from_its_last_progress_not_from_the_spawn():
-    loading = child(0, False, spawned_at=0.0, starting={"name": "load", "last": 250.0})
+    loading = child(0, False, spawned_at=0.0, starting=StartPhase("load", since=0.0, last=250.0))
     hb, health, log = setup([loading], 1)
     assert health.next_deadline([loading]) == 550.0 + 0.01
     health.check_hangs([loading], now=500.0)               # 500 s after spawn, 250 s since progress
