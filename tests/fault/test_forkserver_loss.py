@@ -47,7 +47,7 @@ def _strike_server(sup, sig, then=None):
 
 
 def test_a_killed_fork_server_is_replaced_and_its_actors_restart_as_one_event(tmp_path):
-    sup, results = toy_job(runtime(tmp_path), n_batches=300, work_s=0.02, target_gang=2)
+    sup, results = toy_job(runtime(tmp_path), n_batches=300, work_s=0.02, target_gang=2, own_server=True)
     t, done = _strike_server(sup, signal.SIGKILL)
     result = sup.run()
     t.join(5)
@@ -71,7 +71,7 @@ def test_a_stopped_fork_server_is_found_out_at_the_next_fork_and_replaced(tmp_pa
     """SIGSTOP of the server, then a kill -9 of an actor: its death is seen although the
     stopped server cannot report it, its restart's fork times out (fork_timeout_s), and
     the server is killed and replaced; the job ends as if nothing had happened."""
-    sup, results = toy_job(runtime(tmp_path, fork_timeout_s=1.0), n_batches=300, work_s=0.02)
+    sup, results = toy_job(runtime(tmp_path, fork_timeout_s=1.0), n_batches=300, work_s=0.02, own_server=True)
 
     def kill_drafter(pids):
         time.sleep(0.2)
@@ -89,7 +89,8 @@ def test_a_stopped_fork_server_is_found_out_at_the_next_fork_and_replaced(tmp_pa
 
 
 def test_a_fork_server_lost_past_the_restart_intensity_gives_way_to_spawn(tmp_path):
-    sup, results = toy_job(runtime(tmp_path, max_restarts=1, restart_window_s=300), n_batches=200, work_s=0.03)
+    sup, results = toy_job(runtime(tmp_path, max_restarts=1, restart_window_s=300), n_batches=200, work_s=0.03,
+                           own_server=True)
     strikes = []
 
     def new_server():

@@ -16,10 +16,9 @@ import threading
 import pytest
 import torch
 
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.runtime.outcome import JobState
-from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
+from tests.support.pipeline import assert_same_weights, final_weights, losses, new_job, small_config
 from tests.support.runtime import all_gone, assert_exactly_once, events, runtime, wait_for
 from tests.support.toy import toy_job
 
@@ -101,7 +100,7 @@ def tp2_run(cache_dir, tmp_path_factory):
     """A 1x2-1 run with no fault: the bits the faulted runs must land on."""
     run = tmp_path_factory.mktemp("tp2") / "run"
     cfg = small_config(cache_dir, run, "1x2-1", *TP_RUN)
-    result = Job(cfg, progress=False).run()
+    result = new_job(cfg, progress=False).run()
     assert result.exit_code == 0, result.reason
     return cfg, run
 
@@ -131,7 +130,7 @@ def test_a_killed_rank0_and_a_hung_rank1_leave_the_bits_unchanged(tp2_run, tmp_p
     cfg0, run0 = tp2_run
     run = tmp_path / "run"
     cfg = cfg0.updated({"runtime.run_dir": str(run)})
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     done, error = [], []
 
     def status():
@@ -240,8 +239,8 @@ def test_a_gang_slicing_shared_weights_equals_one_reading_the_checkpoint(tp2_run
     own shard from disk trains the very same bits."""
     cfg0, run0 = tp2_run
     cfg = cfg0.updated({"runtime.run_dir": str(tmp_path / "run"), "target.share_weights": "off"})
-    job = Job(cfg, progress=False)
-    shared = Job(cfg0.updated({"runtime.run_dir": str(tmp_path / "other")}), progress=False)
+    job = new_job(cfg, progress=False)
+    shared = new_job(cfg0.updated({"runtime.run_dir": str(tmp_path / "other")}), progress=False)
     shared.lock.release()
     assert shared.share[0] is True and "whose 2 ranks each slice their shard from it" in shared.share[1]
     assert job.share[0] is False and "reads its shard from disk" in job.share[1]

@@ -5,10 +5,9 @@ import math
 
 import pytest
 
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.runtime.outcome import JobState
-from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
+from tests.support.pipeline import assert_same_weights, final_weights, losses, new_job, small_config
 from tests.support.runtime import assert_exactly_once, runtime
 from tests.support.toy import toy_job
 
@@ -65,7 +64,7 @@ def test_injected_faults_of_every_kind_change_nothing(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     cfg = small_config(cache_dir, run_dir, "2-2", faults(*FATAL), "train.checkpoint_every=2",
                        "runtime.hang_timeout_s=4")
-    result = Job(cfg, progress=False).run()
+    result = new_job(cfg, progress=False).run()
     assert result.exit_code == 0, result.reason
     assert sorted(result.committed) == list(range(len(result.committed))) and result.committed
     ev = events(run_dir)
@@ -91,7 +90,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_job(cache_dir, tmp_path):
     cfg = small_config(cache_dir, run_dir, "1-1", "train.max_bad_steps=1",
                        faults(dict(actor="drafter.0", at_batch=4, kind="nan"),
                               dict(actor="drafter.0", at_batch=5, kind="nan")))
-    result = Job(cfg, progress=False).run()
+    result = new_job(cfg, progress=False).run()
     assert result.exit_code == 1
     assert "NonFiniteStop: 2 steps in a row" in result.reason and "before step 4" in result.reason
     bad = [e for e in events(run_dir) if e["event"] == "bad_step"]
@@ -116,7 +115,7 @@ def test_a_restarted_target_checks_again_only_what_it_reads_anew(cache_dir, tmp_
     run_dir = tmp_path / "run"
     cfg = small_config(cache_dir, run_dir, "1-1", f"target.share_weights={share}", "train.epochs=1",
                        faults(dict(actor="target.0", at_batch=3, kind="sigkill")))
-    result = Job(cfg, progress=False).run()
+    result = new_job(cfg, progress=False).run()
     assert result.exit_code == 0, result.reason
     ev = events(run_dir)
     starts = [e for e in ev if e["event"] == "ready" and e["actor"] == "target.0"]
@@ -136,7 +135,7 @@ def test_a_checkpoint_write_that_hangs_is_ended_as_a_hang(cache_dir, tmp_path):
     cfg = small_config(cache_dir, run_dir, "1-1", "train.epochs=1", "train.checkpoint_every=2",
                        "runtime.hang_timeout_s=2", faults(dict(actor="optimizer.0", at_batch=5, kind="hang",
                                                                at="checkpoint")))
-    result = Job(cfg, progress=False).run()
+    result = new_job(cfg, progress=False).run()
     assert result.exit_code == 0, result.reason
     died = [(e["actor"], e["reason"]) for e in events(run_dir) if e["event"] == "died"]
     assert len(died) == 1 and died[0][0] == "optimizer.0" and "hung: no heartbeat" in died[0][1], died

@@ -12,10 +12,9 @@ import json
 import pytest
 
 import launch
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.train.checkpoint import latest_checkpoint
-from tests.support.pipeline import assert_same_weights, final_weights, losses, run_until_stopped, small_config
+from tests.support.pipeline import assert_same_weights, final_weights, losses, new_job, run_until_stopped, small_config
 
 # Default config: block 8, 32 anchors a row (256 block tokens), rows of up to ~190 tokens:
 # two rows a micro-batch, about eight of them a batch (tests/unit/test_drafter_step.py
@@ -29,7 +28,7 @@ def test_micro_batches_survive_a_kill_and_a_resume_bit_for_bit(cache_dir, tmp_pa
     run_dir = tmp_path / "run"
     kill = ("runtime.faults", [{"actor": "drafter.1", "at_batch": 5, "kind": "sigkill"}])
     cfg = small_config(cache_dir, run_dir, "1-2", *LEN, *MICRO, kill)
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     first = run_until_stopped(job, 4)
     assert first.exit_code == 130, first.reason
     assert first.summary["restarts_by_actor"] == {"drafter.1": 1}

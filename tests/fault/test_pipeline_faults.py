@@ -15,7 +15,7 @@ from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.train.checkpoint import latest_checkpoint, load_trainer_state
-from tests.support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, losses, small_config
+from tests.support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, losses, new_job, small_config
 from tests.support.runtime import all_gone
 
 LONG = ("train.epochs=20",)
@@ -77,7 +77,7 @@ class Killer(threading.Thread):
 @pytest.mark.chaos      # make chaos, for time: make test keeps a cheaper case of each path
 def test_kill_every_role_mid_run(cache_dir, tmp_path):
     cfg = small_config(cache_dir, tmp_path / "run", "2-2", *LONG)
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     killer = Killer(job, tmp_path / "run", ["drafter.1", "loader.0", "optimizer.0", "target.0"])
     killer.start()
     result = job.run()
@@ -187,7 +187,7 @@ def test_sigterm_checkpoints_promptly_and_resumes(cache_dir, tmp_path):
 def test_untrustworthy_optimizer_state_rolls_back_to_the_last_checkpoint(cache_dir, tmp_path):
     # 1-1: the topology does not matter here, and two attempts of 4 actors start sooner than of 6
     cfg = small_config(cache_dir, tmp_path / "run", "1-1", "train.epochs=3", "train.checkpoint_every=3")
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     struck = {}
 
     def strike():
@@ -227,7 +227,7 @@ def test_optimizer_killed_mid_checkpoint_writes_it_after_restart(cache_dir, tmp_
         monkeypatch.setenv(k, v)       # the spawned actors start with this environment
     run_dir = tmp_path / "run"
     cfg = small_config(cache_dir, run_dir, "2-2", "train.checkpoint_every=3")
-    job = Job(cfg, progress=False)
+    job = Job(cfg, progress=False)   # its own fork server: started after the setenv above, so its actors see it
     killed = {}
 
     def kill_mid_write():

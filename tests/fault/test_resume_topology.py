@@ -9,9 +9,8 @@ import shutil
 import pytest
 
 import launch
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
-from tests.support.pipeline import final_weights, run_until_stopped, small_config
+from tests.support.pipeline import final_weights, new_job, run_until_stopped, small_config
 
 LEN = ("train.epochs=6", "train.grad_accum=2", "train.checkpoint_every=2")
 
@@ -22,7 +21,7 @@ def stopped(cache_dir, tmp_path_factory):
     """A 2-2 run stopped by SIGTERM after 4 of its 12 steps; its config and the run dir."""
     run_dir = tmp_path_factory.mktemp("topo") / "run"
     cfg = small_config(cache_dir, run_dir, "2-2", *LEN)
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     result = run_until_stopped(job, 4)
     assert result.exit_code == 130, result.reason
     assert 4 <= result.summary["step"] < job.schedule.total_steps

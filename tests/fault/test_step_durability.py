@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
-from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
+from tests.support.pipeline import assert_same_weights, final_weights, losses, new_job, small_config
 
 # 1-2 with grad_accum 3: a step is 6 batches, drafter j sums 6s+j, 6s+j+2, 6s+j+4.
 EXTRA = ("data.synthetic.num_samples=384", "train.grad_accum=3", "runtime.batch_slots=2", "runtime.feature_slots=2")
@@ -24,7 +23,7 @@ def test_drafters_killed_mid_step_end_bit_identical(cache_dir, tmp_path, durabil
     assert ref.steps >= 7
     run = tmp_path / "run"
     faults = [{"actor": a, "at_batch": b, "kind": "sigkill"} for a, b in KILLS]
-    job = Job(small_config(cache_dir, run, "1-2", *EXTRA, "runtime.max_restarts=10",
+    job = new_job(small_config(cache_dir, run, "1-2", *EXTRA, "runtime.max_restarts=10",
                            f"runtime.grad_durability={durability}", ("runtime.faults", faults)), progress=False)
     result = job.run()
     assert result.exit_code == 0, result.reason

@@ -11,10 +11,9 @@ import time
 
 import psutil
 
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.train.checkpoint import latest_checkpoint
-from tests.support.pipeline import assert_same_weights, final_weights, small_config
+from tests.support.pipeline import assert_same_weights, final_weights, new_job, small_config
 from tests.support.runtime import all_gone
 
 # 81 steps at about 10 a second on 1-1 (2 cores): each stop below costs a second or two of them.
@@ -80,7 +79,7 @@ def test_each_run_file_unwritable_mid_run_stops_the_job_and_resume_ends_bit_iden
     run_dir = tmp_path / "run"
     cfg = small_config(cache_dir, run_dir, "1-1", *EXTRA)
     for i, name in enumerate(["events.log", "status.json", "metrics.jsonl"]):
-        job = Job(cfg, resume=i > 0, progress=False)
+        job = new_job(cfg, resume=i > 0, progress=False)
         first, total = job.start.version, job.schedule.total_steps
         capsys.readouterr()
         breaker = Breaker(job, run_dir / name)
@@ -100,7 +99,7 @@ def test_each_run_file_unwritable_mid_run_stops_the_job_and_resume_ends_bit_iden
         assert all_gone(descendants(), within_s=10), "an actor outlived the stopped job"
         path.rmdir()
         os.replace(breaker.aside, path)
-    job = Job(cfg, resume=True, progress=False)
+    job = new_job(cfg, resume=True, progress=False)
     result = job.run()
     assert result.exit_code == 0, result.reason
     assert result.summary["resumed_from"] == stopped

@@ -10,11 +10,10 @@ import pytest
 
 from dflash_actors.data.dataset import open_dataset
 from dflash_actors.data.synthetic import train_path
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.train.optim import lr_factor
 from dflash_actors.train.schedule import Schedule
-from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
+from tests.support.pipeline import assert_same_weights, final_weights, losses, new_job, small_config
 
 
 def test_capped_wsd_pipeline_with_kills_is_bit_identical_to_its_reference(cache_dir, tmp_path):
@@ -23,7 +22,7 @@ def test_capped_wsd_pipeline_with_kills_is_bit_identical_to_its_reference(cache_
                        "train.warmup_ratio=0.1", "train.max_steps=11",
                        "runtime.faults=[{actor: drafter.1, at_batch: 5, kind: sigkill}, "
                        "{actor: optimizer.0, at_batch: 13, kind: sigkill}]")
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     lengths = open_dataset(cfg.data, progress=False, path=train_path(cfg)).lengths
     uncapped = Schedule.from_config(cfg.updated({"train.max_steps": 0}), lengths)
     assert uncapped.total_steps > 11 and uncapped.steps_per_epoch[0] < 11     # the cap falls inside epoch 2 or 3

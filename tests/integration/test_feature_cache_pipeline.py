@@ -8,10 +8,9 @@ import json
 import numpy as np
 import torch
 
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.train import feature_cache
-from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
+from tests.support.pipeline import assert_same_weights, final_weights, losses, new_job, small_config
 
 REFERENCE = {}
 
@@ -41,7 +40,7 @@ def test_memory_cache_survives_target_kills(cache_dir, tmp_path):
     cfg = small_config(cache_dir, run, "1-1", "target.feature_cache=memory",
                        faults(dict(actor="target.0", at_batch=2, kind="sigkill", at="cache"),
                               dict(actor="target.0", at_batch=11, kind="sigkill")))
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     assert epoch_starts(job) == 9            # the second fault is in epoch 2
     result = job.run()
     assert result.exit_code == 0, result.reason
@@ -66,7 +65,7 @@ def test_disk_cache_is_reused_by_a_resume_and_lost_entries_are_recomputed(cache_
     # with its checkpoint and a disk cache of the batches its targets featured.
     first = small_config(cache_dir, run, "1-1", "target.feature_cache=disk", "runtime.max_restarts=0",
                          faults(dict(actor="optimizer.0", at_batch=4, kind="exit")))
-    stopped = Job(first, progress=False)
+    stopped = new_job(first, progress=False)
     result = stopped.run()
     assert result.exit_code == 1 and result.summary["step"] == 4, result.reason
     plan = stopped.cache.plan
@@ -81,7 +80,7 @@ def test_disk_cache_is_reused_by_a_resume_and_lost_entries_are_recomputed(cache_
     del flags
     again = small_config(cache_dir, run, "1-1", "target.feature_cache=disk",
                          faults(dict(actor="target.0", at_batch=11, kind="sigkill")))
-    resumed = Job(again, resume=True, progress=False)
+    resumed = new_job(again, resume=True, progress=False)
     result = resumed.run()
     assert result.exit_code == 0, result.reason
     assert result.summary["resumed_from"] == 4 and result.summary["restarts_by_actor"] == {"target.0": 1}
@@ -117,7 +116,7 @@ def test_distillation_pipeline_with_kills_is_bit_identical_to_its_reference(cach
     cfg = small_config(cache_dir, run, "1-1", "train.loss=distill", "target.feature_cache=memory",
                        faults(dict(actor="target.0", at_batch=3, kind="sigkill", at="cache"),
                               dict(actor="drafter.0", at_batch=12, kind="sigkill")))
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     result = job.run()
     assert result.exit_code == 0, result.reason
     assert job.cache.plan.width == (len(job.target.layer_ids) + 1) * job.target.hidden_size

@@ -5,17 +5,16 @@ same setting does, and not where the exact head's or the data-only head's run do
 
 import numpy as np
 
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.models.head_loss import training_vocab
-from tests.support.pipeline import assert_same_weights, final_weights, losses, small_config
+from tests.support.pipeline import assert_same_weights, final_weights, losses, new_job, small_config
 
 
 def test_restricted_head_pipeline_with_a_kill_is_bit_identical_to_its_reference(cache_dir, tmp_path):
     run = tmp_path / "run"
     cfg = small_config(cache_dir, run, "1-2", "train.head_vocab=sampled", "train.head_negatives=2",
                        "runtime.faults=[{actor: drafter.1, at_batch: 5, kind: sigkill}]")
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     result = job.run()
     assert result.exit_code == 0, result.reason
     assert result.summary["restarts_by_actor"] == {"drafter.1": 1}

@@ -11,6 +11,7 @@ import launch
 from dflash_actors import config
 from dflash_actors.data import batching
 from dflash_actors.job import forkserver, preflight
+from tests.support import shared_server
 from tests.support.pipeline import SMALL
 
 
@@ -55,7 +56,9 @@ def test_plan_only_shows_a_gangs_ranks(tmp_path, cache_dir, capsys):
 
 
 def _fork_servers() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "forkserver" in " ".join(p.cmdline())]
+    """Fork servers this process started, but the session's shared one."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if "forkserver" in " ".join(p.cmdline()) and p.pid != shared_server.pid()]
 
 
 def test_the_fork_server_starts_with_the_config_and_serves_the_job(tmp_path, cache_dir):

@@ -12,13 +12,12 @@ from collections import defaultdict
 import pytest
 
 from dflash_actors.config import dump_config
-from dflash_actors.job.job import Job
 from dflash_actors.job.reference import train_reference
 from dflash_actors.observe import statusview
 from dflash_actors.observe.status import read as read_status
 from dflash_actors.runtime import trace
 from dflash_actors.train.schedule import Schedule
-from tests.support.pipeline import ROOT, assert_same_weights, final_weights, losses, small_config
+from tests.support.pipeline import ROOT, assert_same_weights, final_weights, losses, new_job, small_config
 
 REFERENCE = {}
 
@@ -41,7 +40,7 @@ def test_pipeline_is_bit_identical_to_reference(cache_dir, tmp_path, topology, s
     cfg = small_config(cache_dir, tmp_path / "run", topology, f"runtime.schedule={schedule}",
                        f"runtime.trace={schedule == 'lockstep'}", f"eval.every={every}", "eval.real_prompts=2",
                        "eval.max_new_tokens=8")
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     result = job.run()
     assert result.exit_code == 0, result.reason
     ref = reference(cache_dir, tmp_path, topology)
@@ -65,7 +64,7 @@ def test_plateau_ends_the_run_as_done_with_the_reference_weights(cache_dir, tmp_
     and a checkpoint equal to the reference's weights at the step training reached."""
     cfg = small_config(cache_dir, tmp_path / "run", "1-1", "train.epochs=40", "train.lr=1e-12", "eval.every=1",
                        "eval.plateau=1", "eval.max_samples=4")
-    result = Job(cfg, progress=False).run()
+    result = new_job(cfg, progress=False).run()
     assert result.exit_code == 0, result.reason
     step, total = result.summary["step"], result.summary["total_steps"]
     assert result.reason.startswith("plateau: held-out walk tau") and 0 < step < total
@@ -93,7 +92,7 @@ def test_bf16_on_cpu_is_bit_identical_to_its_reference(cache_dir, tmp_path):
     same bf16 kernels, so the pipeline still equals its reference; and bf16 did run (the
     losses are not fp32's)."""
     bf16 = ("target.dtype=bfloat16", "train.compute_dtype=bfloat16")
-    result = Job(small_config(cache_dir, tmp_path / "run", "1-2", *bf16), progress=False).run()
+    result = new_job(small_config(cache_dir, tmp_path / "run", "1-2", *bf16), progress=False).run()
     assert result.exit_code == 0, result.reason
     ref = train_reference(small_config(cache_dir, tmp_path / "ref", "1-2", *bf16), progress=False)
     assert losses(tmp_path / "run") == ref.losses

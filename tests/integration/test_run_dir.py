@@ -34,7 +34,7 @@ from dflash_actors.train.checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
-from tests.support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, small_config
+from tests.support.pipeline import ROOT, SMALL, assert_same_weights, final_weights, new_job, small_config
 from tests.support.runtime import all_gone
 
 FAST = ("train.num_threads=1", "train.checkpoint_every=2")
@@ -198,7 +198,7 @@ def test_a_full_disk_at_the_final_checkpoint_exits_1_keeping_the_previous(killed
     the job's decision when its final checkpoint cannot be written."""
     run_dir = tmp_path / "run"
     shutil.copytree(killed_run[0], run_dir)
-    job = pipeline.Job(small_config(cache_dir, run_dir, "1-1", *FAST), resume=True, progress=False)
+    job = new_job(small_config(cache_dir, run_dir, "1-1", *FAST), resume=True, progress=False)
     start = job.start.version
 
     def one_step():
@@ -231,7 +231,7 @@ def test_a_rollback_passes_over_a_damaged_checkpoint(killed_run, cache_dir, tmp_
     run_dir = tmp_path / "run"
     shutil.copytree(killed_run[0], run_dir)
     *_, previous, newest = list_checkpoints(run_dir)
-    job = pipeline.Job(small_config(cache_dir, run_dir, "1-1", *FAST), resume=True, progress=False)
+    job = new_job(small_config(cache_dir, run_dir, "1-1", *FAST), resume=True, progress=False)
     assert job.start.checkpoint == newest
     results = [JobResult(JobState.FAILED, "stopped", raised=RollbackRequired("optimizer state inconsistent")),
                JobResult(JobState.DONE, "finished")]
@@ -255,7 +255,7 @@ def test_a_rollback_runs_on_the_first_attempts_rings(cache_dir, tmp_path, monkey
     the attempt after a rollback must get the same rings, the GPU one included, not new
     ones. Stood in for: the feature ring's CUDA memory (host memory under a cuda spec)
     and the supervisor (no actors)."""
-    job = pipeline.Job(small_config(cache_dir, tmp_path / "run", "1-1", *FAST), progress=False)
+    job = new_job(small_config(cache_dir, tmp_path / "run", "1-1", *FAST), progress=False)
     job.pre = dataclasses.replace(job.pre, devices=dataclasses.replace(job.pre.devices, features="cuda:0"))
     allocated, given = [], []
     on_host = Ring.allocate
@@ -291,7 +291,7 @@ def test_a_checkpoint_from_before_manifests_is_resumed_with_a_warning(killed_run
     for ckpt in list_checkpoints(run_dir):
         (ckpt / MANIFEST).unlink()
     newest = list_checkpoints(run_dir)[-1]
-    job = pipeline.Job(small_config(cache_dir, run_dir, "1-1", *FAST), resume=True, progress=False)
+    job = new_job(small_config(cache_dir, run_dir, "1-1", *FAST), resume=True, progress=False)
     job.lock.release()
     assert job.start.checkpoint == newest
     err = capsys.readouterr().err.splitlines()

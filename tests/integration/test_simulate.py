@@ -7,10 +7,9 @@ import sys
 
 import torch
 
-from dflash_actors.job.job import Job
 from dflash_actors.runtime import trace
 from dflash_actors.train.simulate import stamp, stamp_problem
-from tests.support.pipeline import small_config
+from tests.support.pipeline import new_job, small_config
 
 WIDTH = 96
 
@@ -19,7 +18,7 @@ def test_simulated_run_moves_real_bytes_and_traces_every_actor(cache_dir, tmp_pa
     cfg = small_config(cache_dir, tmp_path / "run", "2-2", "runtime.simulate.enabled=true",
                        "runtime.simulate.target_us_per_token=2", "runtime.simulate.drafter_ms_per_batch=1",
                        f"runtime.simulate.feature_width={WIDTH}", "runtime.trace=true", "runtime.trace_batches=1000")
-    job = Job(cfg, progress=False)
+    job = new_job(cfg, progress=False)
     result = job.run()
     assert result.exit_code == 0, result.reason     # each drafter checked each batch's stamps
     n = job.schedule.total_batches

@@ -17,9 +17,15 @@ TOKEN_VAR = "DFLASH_LEAKCHECK_TOKEN"
 
 
 def _holders(token: str) -> list[psutil.Process]:
-    found = []
+    """The live processes of this test: those with its token, and any child of the
+    session's shared fork server (``shared_server``), which outlives tests by design
+    and carries a token of its own."""
+    from . import shared_server  # here: it imports this module's TOKEN_VAR
+
+    server = shared_server.pid()
+    found = _server_children(server)
     for p in psutil.process_iter(["pid"]):
-        if p.pid == os.getpid():
+        if p.pid in (os.getpid(), server) or p in found:
             continue
         try:
             # The stdlib resource tracker is started by the first spawn and lives as long
@@ -30,6 +36,15 @@ def _holders(token: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return found
+
+
+def _server_children(pid) -> list[psutil.Process]:
+    if pid is None:
+        return []
+    try:
+        return [c for c in psutil.Process(pid).children() if c.status() != psutil.STATUS_ZOMBIE]
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
 
 
 @pytest.fixture(autouse=True)

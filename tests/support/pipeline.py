@@ -12,8 +12,11 @@ from pathlib import Path
 import torch
 
 from dflash_actors.config import load_config
+from dflash_actors.job.job import Job
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.train.checkpoint import latest_checkpoint
+
+from . import shared_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,6 +30,12 @@ def small_config(cache_dir: Path, run_dir: Path, topology: str, *extra):
     return load_config(ROOT / "configs/default.yaml",
                        SMALL + [f"data.cache_dir={cache_dir}", f"runtime.run_dir={run_dir}", *extra],
                        topology=topology)
+
+
+def new_job(cfg, **kw) -> Job:
+    """``Job(cfg, **kw)`` whose actors fork from the session's shared fork server
+    (``shared_server``), as launch.py's job forks from the one it started early."""
+    return Job(cfg, forkserver=shared_server.get(), **kw)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -33,12 +33,15 @@ from typing import Optional
 import numpy as np
 import torch
 
+from dflash_actors.runtime import forking
 from dflash_actors.runtime.actor import Actor, Escalate
 from dflash_actors.runtime.channels import FieldSpec, RingSpec
 from dflash_actors.runtime.config import RuntimeConfig, build
 from dflash_actors.runtime.dispatch import Stage
 from dflash_actors.runtime.messages import ProtocolError, Work
 from dflash_actors.runtime.supervisor import Supervisor
+
+from . import shared_server
 
 VOCAB = 32000
 
@@ -193,12 +196,14 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
             n_targets: int = 1, n_drafters: int = 1, model: str | None = None,
             contradict_at: int | None = None, target_gang: int = 1,
             escalate_rank: int | None = None, target_start_s: float = 0.0,
-            target_start_counts: bool = True, group=None) -> tuple[Supervisor, torch.Tensor]:
+            target_start_counts: bool = True, group=None,
+            own_server: bool = False) -> tuple[Supervisor, torch.Tensor]:
     """A supervisor over loader -> [target ->] drafter (the sink) with toy actors, and
     the shared results table the sink fills. ``stages`` is 2 (loader -> drafter over
     the batch ring) or 3 (with targets and a feature ring); ``target_gang``: processes
     per target actor (``Stage.gang``); ``group``: the supervisor's group factory (real
-    processes when None)."""
+    processes when None). Under the fork server, the actors fork from the session's
+    (``shared_server``) unless ``own_server``: then the supervisor starts its own."""
     if stages not in (2, 3):
         raise ValueError("stages is 2 or 3")
     results = torch.full((n_batches,), -1, dtype=torch.int64).share_memory_()
@@ -225,6 +230,8 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
         plan.append(Stage("drafter", ToySink, S.LOADED, S.COMMITTED, count=n_drafters, in_ring="batch",
                           route=route, spec=sink))
     extra = {"group": group} if group is not None else {}
+    if not own_server and group is None and forking.resolve(runtime.start_method) == "forkserver":
+        extra["forkserver"] = shared_server.get()
     return Supervisor(runtime, plan, rings, n_batches, meta_cols=2, **extra), results
 
 
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         key, _, value = text.partition("=")
         raw[key.removeprefix("runtime.")] = float(value) if "." in value else int(value)
     sup, _ = toy_job(build(RuntimeConfig, raw, "runtime."), a.batches, stages=a.stages, work_s=a.work_s,
-                     fail_on_start=a.fail_on_start, target_gang=a.target_gang)
+                     fail_on_start=a.fail_on_start, target_gang=a.target_gang, own_server=True)
     result = sup.run()
     if result.exit_code:
         print(f"error: {result.reason}", file=sys.stderr)
