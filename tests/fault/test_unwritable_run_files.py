@@ -13,6 +13,7 @@ import psutil
 
 from dflash_actors.job.reference import train_reference
 from dflash_actors.train.checkpoint import latest_checkpoint
+from tests.support import shared_server
 from tests.support.pipeline import assert_same_weights, final_weights, new_job, small_config
 from tests.support.runtime import all_gone
 
@@ -64,11 +65,12 @@ class Breaker(threading.Thread):
 
 
 def descendants() -> list[int]:
-    """Pids of this process's descendants but the stdlib's resource tracker (it lives as long as we do)."""
+    """Pids of this process's descendants but the stdlib's resource tracker and the
+    session's fork server (both live as long as we do); the server's actors count."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
+            if "resource_tracker" not in " ".join(p.cmdline()) and p.pid != shared_server.pid():
                 out.append(p.pid)
         except psutil.Error:    # gone meanwhile
             pass

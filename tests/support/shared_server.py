@@ -28,6 +28,10 @@ from .leakcheck import TOKEN_VAR
 TOKEN = f"shared-fork-server-{uuid.uuid4().hex}"
 """The leak-check token of the server and everything forked from it."""
 
+TOY = "tests.support.toy"
+"""The toy actors' module, imported once in the server as a job's own server imports
+its stages' modules: an actor that imported it at each start would start late."""
+
 _server: Optional[ForkServerStarter] = None
 
 
@@ -39,7 +43,7 @@ def get() -> ForkServerStarter:
         os.environ[TOKEN_VAR] = TOKEN   # the server's environment is the one it starts with
         try:
             server = ForkServerStarter()
-            server.start(list(PRELOAD), os.getpid())
+            server.start([*PRELOAD, TOY], os.getpid())
         finally:
             if saved is None:
                 os.environ.pop(TOKEN_VAR)

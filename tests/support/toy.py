@@ -41,8 +41,6 @@ from dflash_actors.runtime.dispatch import Stage
 from dflash_actors.runtime.messages import ProtocolError, Work
 from dflash_actors.runtime.supervisor import Supervisor
 
-from . import shared_server
-
 VOCAB = 32000
 
 
@@ -231,6 +229,8 @@ def toy_job(runtime: RuntimeConfig, n_batches: int, stages: int = 3, token_budge
                           route=route, spec=sink))
     extra = {"group": group} if group is not None else {}
     if not own_server and group is None and forking.resolve(runtime.start_method) == "forkserver":
+        from . import shared_server  # here: an actor importing this module needs none of it
+
         extra["forkserver"] = shared_server.get()
     return Supervisor(runtime, plan, rings, n_batches, meta_cols=2, **extra), results
 
