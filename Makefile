@@ -27,8 +27,12 @@ check: setup
 	$(PY) -m pytest -q -m "not slow and not chaos" tests/unit \
 		"tests/integration/test_pipeline.py::test_pipeline_is_bit_identical_to_reference[1-1-pipelined]"
 
+# Two workers, a test file each at a time: alone, the suite keeps about one core busy
+# (its jobs wait on starts, pipes and timeouts), and a file's module fixtures stay in one
+# worker. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -m "not slow and not chaos" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not chaos" tests
 
 slow: setup
 	$(PY) -m pytest -q -m "slow" tests

@@ -73,7 +73,7 @@ def test_healthy_run_is_0_and_shows_every_actor(tmp_path, capsys):
 @pytest.mark.parametrize("top, first", [
     ({"state": "stopping", "reason": "SIGINT"}, "stopping: SIGINT"),
     ({"state": "done"}, f"finishing: done at step 42/160, supervisor {os.getpid()} still exiting"),
-])
+], ids=["stopping", "finishing"])   # not the pid: every pytest-xdist worker must collect the same names
 def test_stopping_or_finishing_with_a_live_supervisor_is_1(tmp_path, capsys, top, first):
     code, out, _ = _run(tmp_path, capsys, _status(**top))
     assert code == 1
