@@ -295,14 +295,21 @@ class ProcessGroup:
                     objs += [f.conn, f.proc.sentinel]
         return objs
 
-    def _read(self, c: Child) -> None:
+    @staticmethod
+    def _pending(conn):
+        """The messages waiting on ``conn``, until none is; none more once its process is
+        gone (its sentinel says how)."""
         while True:
             try:
-                if not c.conn.poll():
+                if not conn.poll():
                     return
-                msg = c.conn.recv()
+                msg = conn.recv()
             except (EOFError, OSError):
-                return  # the process is gone; its sentinel says how
+                return
+            yield msg
+
+    def _read(self, c: Child) -> None:
+        for msg in self._pending(c.conn):
             if isinstance(msg, Done):
                 self.dispatcher.on_done(c.number, msg.batch_id)
             elif isinstance(msg, Starting):
@@ -332,13 +339,7 @@ class ProcessGroup:
 
     def _read_follower(self, c: Child, f: Rank) -> None:
         """A gang rank above 0 says Ready, what it starts, notes and its error; no Done."""
-        while True:
-            try:
-                if not f.conn.poll():
-                    return
-                msg = f.conn.recv()
-            except (EOFError, OSError):
-                return
+        for msg in self._pending(f.conn):
             if isinstance(msg, Ready):
                 f.ready = True
                 self._gang_ready(c)
@@ -369,7 +370,7 @@ class ProcessGroup:
             cause, error = blame
             if error is not None:
                 c.last_error = c.error = error
-        self._close(c)   # its sentinel fd; a long run restarts many times
+        self._close(c)
         return cause
 
     def _end_gang(self, c: Child, first: Optional[Rank]) -> Optional[tuple[str, Optional[ActorError]]]:
@@ -397,15 +398,14 @@ class ProcessGroup:
         for f in c.followers:
             if f.proc is not None:
                 self._read_follower(c, f)
-                f.conn.close()
-                f.proc.close()
-                f.proc, f.conn = None, None
+                self._close(f)
 
     @staticmethod
-    def _close(c: Child) -> None:
-        c.conn.close()
-        c.proc.close()
-        c.proc, c.conn = None, None
+    def _close(p: Child | Rank) -> None:
+        """An ended process's pipe and sentinel closed: a long run restarts many times."""
+        p.conn.close()
+        p.proc.close()
+        p.proc, p.conn = None, None
 
     def send(self, c: Child, msg) -> None:
         """To the actor; to a gang, to every rank in the same order (they run the same
@@ -453,9 +453,7 @@ class ProcessGroup:
                     self.log("escalate", actor=c.actor_id, rank=f.rank, reason="still running, sending SIGKILL")
                     f.proc.kill()
                     f.proc.join()
-                f.conn.close()
-                f.proc.close()
-                f.proc, f.conn = None, None
+                self._close(f)
 
     def _join(self, live: list[Child], until: float, wake: Wakeup) -> list[Child]:
         """Wait for ``live`` to exit until ``until``; a new SIGINT/SIGTERM cuts it short
