@@ -77,6 +77,15 @@ VARIANTS = {
                      "drafter.arch=dflash2", "drafter.selector_rank=128"],
     "dflash2_r32_stop": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=full",
                          "drafter.arch=dflash2", "drafter.selector_rank=32", "train.selector_grad=stop"],
+    # Signal and capacity at the journey's budget (#45, item 3), each against the config as
+    # it is (DFlash2): 4x the anchors, a third drafter layer, soft labels, weight decay.
+    "d2_anchors64": ["drafter.init=random", "train.position_weight=dpace", "train.num_anchors=64"],
+    # A third layer reading the same taps: capacity alone (a third layer would otherwise also
+    # move the default taps, which taps:A-B-C measures on its own).
+    "d2_layers3": ["drafter.init=random", "train.position_weight=dpace", "drafter.num_layers=3",
+                   "drafter.target_layer_ids=[1, 27]"],
+    "d2_distill": ["drafter.init=random", "train.position_weight=dpace", "train.loss=distill"],
+    "d2_wd0.1": ["drafter.init=random", "train.position_weight=dpace", "train.weight_decay=0.1"],
     # The anchors' default recipe, whole: random init, decay gamma, CE, lr 6e-4 with 4%
     # warmup and a cosine, the exact head.
     "control": ["drafter.init=random", "train.position_weight=decay", "train.loss=ce", "train.lr=6e-4",
@@ -96,7 +105,7 @@ def overrides(name: str) -> list[str]:
     if name.startswith("taps:"):
         return [f"drafter.target_layer_ids=[{', '.join(name[5:].split('-'))}]"]
     own = VARIANTS[name]
-    if name == "default":
+    if name == "default" or name.startswith("d2_"):
         return list(own)
     keys = {o.split("=")[0] for o in own}
     return [o for o in BEFORE_DFLASH2 if o.split("=")[0] not in keys] + own
