@@ -224,7 +224,7 @@ def main(argv=None) -> dict:
     cfg = load_config(CONFIG, overrides, topology=args.topology)
     if args.steps:
         from dflash_actors.data.dataset import open_dataset
-        from dflash_actors.train.schedule import sized_to_steps
+        from dflash_actors.train.sizing import sized_to_steps
 
         sized = sized_to_steps(cfg, open_dataset(cfg.data, progress=False).lengths, args.steps)
         overrides += [f"train.epochs={sized.train.epochs}", f"train.max_steps={args.steps}"]

@@ -479,6 +479,21 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def carrying(self, sections: tuple[str, ...], holder: str) -> "Config":
+        """This config with only ``sections`` readable: every other section is a
+        ``Withheld`` that names ``holder`` when something reads it. An actor's spec
+        carries such a config, so its inputs are the sections it lists, and a stage that
+        starts to read one more fails on its first read instead of depending on it
+        silently. Not validated again (the whole config was)."""
+        unknown = sorted(set(sections) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"{holder}: no config sections {unknown}")
+        out = object.__new__(Config)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(out, f.name, value if f.name in sections else Withheld(f.name, holder))
+        return out
+
     def updated(self, changes: dict[str, Any]) -> "Config":
         """This config with ``changes`` (dotted key -> value, as data) applied, validated
         again as a whole: how the launch derives a setting it computes (a chosen
@@ -494,6 +509,26 @@ class Config:
         if sections is not None:
             d = {k: d[k] for k in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Withheld:
+    """A config section a holder does not carry (``Config.carrying``): reading any field of
+    it raises, naming the holder and the section to add to what it carries."""
+
+    def __init__(self, section: str, holder: str):
+        self._section, self._holder = section, holder
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):    # copy, pickle and hasattr probe dunders; ours are set in __init__
+            raise AttributeError(name)
+        raise AttributeError(f"{self._holder} does not carry config section {self._section!r} "
+                             f"(read {self._section}.{name}); add it to the sections it carries")
+
+    def __reduce__(self):
+        return Withheld, (self._section, self._holder)
+
+    def __repr__(self) -> str:
+        return f"Withheld({self._section!r}, {self._holder!r})"
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -52,6 +53,10 @@ from ..train.simulate import SimulatedCompute, fake_backward, no_stats, stamp_pr
 
 @dataclass(frozen=True)
 class DrafterSpec:
+    SECTIONS: ClassVar[tuple[str, ...]] = ("data", "batching", "target", "drafter", "train", "topology", "runtime")
+    """The config sections ``cfg`` carries (``Config.carrying``), all its stage reads: the
+    model builders take the tree (the drafter's shape follows its target's, and so the
+    target's path and, for the tiny one, the synthetic data). Not eval nor monitor."""
     cfg: Config
     schedule: Schedule
     devices: tuple[str, ...]

@@ -13,6 +13,7 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..config import Config
 from ..data.batching import BatchBuffers, assemble
@@ -23,6 +24,9 @@ from ..train.schedule import Plans, Schedule
 
 @dataclass(frozen=True)
 class LoaderSpec:
+    SECTIONS: ClassVar[tuple[str, ...]] = ("data", "batching", "train", "topology")
+    """The config sections ``cfg`` carries (``Config.carrying``), all its stage reads: the data
+    and how it is packed, and the plans' seed, epochs and drafters per step."""
     cfg: Config
     schedule: Schedule
     train_path: str

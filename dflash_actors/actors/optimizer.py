@@ -37,7 +37,7 @@ import errno
 import math
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -74,6 +74,10 @@ class NonFiniteStop(Escalate):
 
 @dataclass(frozen=True)
 class OptimizerSpec:
+    SECTIONS: ClassVar[tuple[str, ...]] = ("data", "batching", "target", "drafter", "train", "topology", "runtime",
+                                           "eval", "monitor")
+    """The config sections ``cfg`` carries (``Config.carrying``): all of them, since each
+    checkpoint records the run's whole config and its hash (``checkpoint.trainer_state``)."""
     cfg: Config
     schedule: Schedule
     device: str

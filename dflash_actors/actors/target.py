@@ -41,7 +41,7 @@ refused there: there are no features to keep).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -60,6 +60,11 @@ class SelfCheckFailed(Escalate):
 
 @dataclass(frozen=True)
 class TargetSpec:
+    SECTIONS: ClassVar[tuple[str, ...]] = ("data", "batching", "target", "drafter", "train", "topology", "runtime")
+    """The config sections ``cfg`` carries (``Config.carrying``), all its stage reads: the
+    model builders take the tree (the tiny target is fitted to the synthetic data; the
+    drafter's taps and a distilling loss pick the layers; gangs and simulated compute read
+    topology and runtime). Not eval nor monitor."""
     cfg: Config
     devices: tuple[str, ...]
     """Rank r of target i runs on ``devices[i * K + r]`` (K = ``topology.target_tp``)."""

@@ -177,6 +177,11 @@ def gang_heads(devices: Devices, tp: int) -> tuple[str, ...]:
     return devices.targets[::tp]
 
 
+def carried(cfg: Config, spec: type, stage: str) -> Config:
+    """``cfg`` as stage ``stage``'s spec carries it: only the sections its spec lists."""
+    return cfg.carrying(spec.SECTIONS, f"{stage}'s spec")
+
+
 def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared, train_path: Path,
            first_step: int, cache: Optional[FeatureCache] = None,
            weights: Optional[SharedWeights] = None) -> list[Stage]:
@@ -188,18 +193,20 @@ def stages(cfg: Config, schedule: Schedule, devices: Devices, shared: JobShared,
     return [
         Stage("loader", Loader, State.PLANNED, State.LOADED, out_ring="batch", credit=cfg.runtime.batch_slots,
               barrier=schedule.first_of_own_step if lockstep else None,
-              spec=LoaderSpec(cfg, schedule, str(train_path))),
+              spec=LoaderSpec(carried(cfg, LoaderSpec, "loader"), schedule, str(train_path))),
         Stage("target", Target, State.LOADED, State.FEATURED, count=cfg.topology.num_targets,
               in_ring="batch", out_ring="features", credit=1, gather=gather, gang=cfg.topology.target_tp,
-              spec=TargetSpec(cfg, devices.targets, schedule, cache, weights,
+              spec=TargetSpec(carried(cfg, TargetSpec, "target"), devices.targets, schedule, cache, weights,
                               torch.zeros(1, dtype=torch.int8).share_memory_() if cfg.topology.target_tp > 1
                               else None)),
         Stage("drafter", Drafter, State.FEATURED, State.GRAD_DONE, count=cfg.topology.num_drafters,
               in_ring="features", route=schedule.drafter_of, barrier=schedule.first_of_own_step, gather=gather,
               durable=schedule.is_last_for_drafter if cfg.runtime.grad_durability == "step" else None,
-              spec=DrafterSpec(cfg, schedule, devices.drafters, s.weights, s.grads, s.batch_stats)),
+              spec=DrafterSpec(carried(cfg, DrafterSpec, "drafter"), schedule, devices.drafters, s.weights, s.grads,
+                               s.batch_stats)),
         Stage("optimizer", Optimizer, State.GRAD_DONE, State.COMMITTED, route=in_order, credit=schedule.per_step,
-              spec=OptimizerSpec(cfg, schedule, devices.optimizer or devices.drafters[0], first_step, s.weights,
+              spec=OptimizerSpec(carried(cfg, OptimizerSpec, "optimizer"), schedule,
+                                 devices.optimizer or devices.drafters[0], first_step, s.weights,
                                  s.grads, s.batch_stats, s.step_stats, s.exchange)),
     ]
 

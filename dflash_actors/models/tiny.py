@@ -9,6 +9,7 @@ parent, a test, a benchmark) race harmlessly: the first complete directory stays
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -37,7 +38,7 @@ def ensure_tiny_target(cfg) -> Path:
     train_dir, _ = ensure_synthetic_dataset(cfg.data)
     # The data directory's name is the hash of the grammar and its recipe: a new grammar
     # means a new target.
-    key = json.dumps([cfg.to_dict()["target"]["tiny"], train_dir.parent.name,
+    key = json.dumps([dataclasses.asdict(cfg.target.tiny), train_dir.parent.name,
                       cfg.data.max_seq_len, _TINY_RECIPE], sort_keys=True)
     out = Path(cfg.data.cache_dir) / f"tiny-target-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if is_hf_dir(out):

@@ -106,7 +106,7 @@ def measure(cfg: Config, taps: tuple[int, ...], steps: int, heldout: str, texts:
     from ..eval.intervals import pooled_interval
     from ..eval.tau import text_metrics, walk_counts
     from ..job.reference import train_reference
-    from ..train.schedule import sized_to_steps
+    from ..train.sizing import sized_to_steps
 
     hf_logging.disable_progress_bar()
     cfg = cfg.updated({"drafter.target_layer_ids": list(taps), "train.num_threads": threads})

@@ -44,6 +44,7 @@ is outside what it promises); a header that does not match is discarded and rebu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -510,7 +511,7 @@ def target_identity(cfg) -> dict:
     from ..models.target import ensure_target
 
     path = ensure_target(cfg)
-    section = {k: v for k, v in cfg.to_dict()["target"].items()
+    section = {k: v for k, v in dataclasses.asdict(cfg.target).items()
                if k not in ("feature_cache", "feature_cache_gb", "self_check")}
     return {"path": str(Path(path).resolve()), "files": _files(path),
             "config": hashlib.sha256(json.dumps(section, sort_keys=True).encode()).hexdigest()[:16]}
