@@ -86,6 +86,10 @@ VARIANTS = {
                    "drafter.target_layer_ids=[1, 27]"],
     "d2_distill": ["drafter.init=random", "train.position_weight=dpace", "train.loss=distill"],
     "d2_wd0.1": ["drafter.init=random", "train.position_weight=dpace", "train.weight_decay=0.1"],
+    # The data lever (#45, item 4), the config as it is on the journey's data: the 600
+    # shipped prompts and the 894 wheel prompts, one greedy completion each (1,494), against
+    # --data (the 600 alone, greedy). Its n-gram table is its own data's too.
+    "d2_data_wheels": ["drafter.init=random", "train.position_weight=dpace", "data.path=.cache/smollm2-train-wheels"],
     # The anchors' default recipe, whole: random init, decay gamma, CE, lr 6e-4 with 4%
     # warmup and a cosine, the exact head.
     "control": ["drafter.init=random", "train.position_weight=decay", "train.loss=ce", "train.lr=6e-4",
@@ -183,7 +187,7 @@ def variant_config(name: str, base: list[str], steps: int | None = None, epochs:
     its epochs sized to hold them, at least ``epochs``."""
     from dflash_actors.config import load_config
     from dflash_actors.data.dataset import open_dataset
-    from dflash_actors.train.schedule import sized_to_steps
+    from dflash_actors.train.sizing import sized_to_steps
 
     cfg = load_config(CONFIG, base + overrides(name))
     if steps is None and epochs is None:
@@ -320,7 +324,38 @@ def run_variant(name: str, base: list[str], steps: int | None, marks: set[int], 
         shutil.rmtree(root, ignore_errors=True)
     return {"variant": name, "overrides": overrides(name), "steps": res.steps, "first_loss": round(res.losses[0], 3),
             "marks": rows, "wall_s": round(time.perf_counter() - t, 1), "train_s": round(t_last[1], 1), **extra,
-            **({} if vocab is None else {"vocab_rows": len(vocab)})}
+            **({} if vocab is None else {"vocab_rows": len(vocab)}), "ngram": ngram_walk(cfg, texts)}
+
+
+def ngram_walk(cfg, texts) -> dict:
+    """The journey's baseline, the n-gram table over the variant's own training
+    completions (``decode.NgramProposer``, unchanged), walked over the same held-out
+    texts: the goal is a ratio to it, and a data lever moves both sides."""
+    from dflash_actors.data.dataset import open_dataset
+    from dflash_actors.eval.decode import NgramProposer
+    from dflash_actors.eval.intervals import pooled_interval
+    from dflash_actors.eval.tau import proposer_walk_counts
+
+    B = cfg.drafter.block_size
+    tokens, steps = proposer_walk_counts(NgramProposer(open_dataset(cfg.data, progress=False), B), texts, B)
+    return {"walk_tau": round(sum(tokens) / max(sum(steps), 1), 4), "walk_ci95": pooled_interval(tokens, steps),
+            "walk_tokens": tokens, "walk_steps": steps}
+
+
+def versus_ngram(results: list[dict]) -> dict:
+    """Each variant's last walk tau over its n-gram table's, with the paired bootstrap
+    interval over the held-out texts."""
+    from dflash_actors.eval.intervals import pooled_ratio_interval
+
+    out = {}
+    for r in results:
+        last, ngram = (r["marks"] or [{}])[-1], r.get("ngram")
+        if ngram and "walk_tokens" in last:
+            out[r["variant"]] = {"ngram_walk_tau": ngram["walk_tau"],
+                                 "ratio": round(last["walk_tau"] / ngram["walk_tau"], 4),
+                                 "ci95": pooled_ratio_interval((last["walk_tokens"], last["walk_steps"]),
+                                                               (ngram["walk_tokens"], ngram["walk_steps"]))}
+    return out
 
 
 def table(results: list[dict]) -> str:
@@ -344,6 +379,12 @@ def table(results: list[dict]) -> str:
                       "difference, 95% paired bootstrap interval over texts):", ""]
             lines += [f"- {name}: {d['difference']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
                       for name, d in diffs.items()]
+    ratios = versus_ngram(results)
+    if ratios:
+        lines += ["", "Last mark against the n-gram table over the variant's own training completions (walk tau "
+                  "ratio, 95% paired bootstrap interval over texts; the goal is 1.3x):", ""]
+        lines += [f"- {name}: {d['ratio']:.4f}x [{d['ci95'][0]:.4f}, {d['ci95'][1]:.4f}] "
+                  f"(n-gram walk tau {d['ngram_walk_tau']})" for name, d in ratios.items()]
     return "\n".join(lines)
 
 
@@ -470,7 +511,7 @@ def main(argv=None) -> int:
         results = [run_variant(v, base, steps, marks, texts, args.minutes, cache_root) for v in names]
     out = {"bench": "recipe", "target": "SmolLM2-135M-Instruct", "data": args.data, "heldout": args.heldout,
            "heldout_texts": len(texts), "overrides": args.overrides, "results": results,
-           "versus_first": versus_first(results),
+           "versus_first": versus_first(results), "versus_ngram": versus_ngram(results),
            **({"minutes": args.minutes, "parallel": args.parallel, "feature_fill_s": fill} if args.minutes
               else {"steps": args.steps})}
     tag = f"minutes-{args.minutes:g}" if args.minutes else f"{args.steps}"

@@ -62,13 +62,24 @@ def pooled_difference_interval(a: tuple, b: tuple, level: float = LEVEL, draws: 
                                seed: int = 0) -> list[float] | None:
     """The paired bootstrap interval over texts of ``pooled(a) - pooled(b)``, each a
     ``(tokens, steps)`` per text of the same texts: two drafters on one held-out set."""
+    return _paired_pooled(a, b, np.subtract, "pooled_difference_interval", level, draws, seed)
+
+
+def pooled_ratio_interval(a: tuple, b: tuple, level: float = LEVEL, draws: int = DRAWS,
+                          seed: int = 0) -> list[float] | None:
+    """The paired bootstrap interval over texts of ``pooled(a) / pooled(b)``: a drafter
+    against a baseline (the n-gram table) on one held-out set."""
+    return _paired_pooled(a, b, np.divide, "pooled_ratio_interval", level, draws, seed)
+
+
+def _paired_pooled(a: tuple, b: tuple, op, name: str, level: float, draws: int, seed: int) -> list[float] | None:
     (ta, sa), (tb, sb) = [tuple(np.asarray(x, dtype=np.float64) for x in pair) for pair in (a, b)]
     if len(ta) != len(tb):
-        raise ValueError(f"pooled_difference_interval: {len(ta)} texts against {len(tb)} (paired by text)")
+        raise ValueError(f"{name}: {len(ta)} texts against {len(tb)} (paired by text)")
     if len(ta) < 2:
         return None
     idx = _draws(len(ta), draws, seed)
 
     def pooled(t, s):
         return t[idx].sum(axis=1) / np.maximum(s[idx].sum(axis=1), 1)
-    return _bounds(pooled(ta, sa) - pooled(tb, sb), level)
+    return _bounds(op(pooled(ta, sa), pooled(tb, sb)), level)

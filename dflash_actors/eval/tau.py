@@ -88,6 +88,25 @@ def walk_counts(drafter, target, dataset, keep: list | None = None,
     return tokens, steps
 
 
+def proposer_walk_counts(propose, dataset, block_size: int) -> tuple[list[int], list[int]]:
+    """``walk_counts`` for a proposer that needs no target features (the n-gram table):
+    the same walk over the same texts, so the two compare text by text."""
+    tokens, steps = [], []
+    for i in range(len(dataset)):
+        ids, mask = dataset.sample(i)
+        ids_t = torch.from_numpy(ids)
+        anchors = anchor_candidates(mask)
+        _, valid = block_labels(ids_t, torch.from_numpy(mask), torch.from_numpy(anchors), block_size)
+        correct = np.zeros((len(anchors), block_size - 1), bool)
+        for r, a in enumerate(anchors.tolist()):
+            want = ids_t[a + 1:a + block_size]
+            correct[r, :len(want)] = (propose(ids_t[:a + 1], None)[:len(want)] == want).numpy()
+        t, s = text_walk(correct & valid[:, 1:].numpy(), mask)
+        tokens.append(t)
+        steps.append(s)
+    return tokens, steps
+
+
 def text_walk(correct: np.ndarray, mask: np.ndarray) -> tuple[int, int]:
     """One text's walk from its ``drafter_correct`` rows: tokens gained and verify steps,
     from the first completion token, each step jumping ``1 + leading correct``."""

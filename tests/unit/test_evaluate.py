@@ -401,3 +401,25 @@ def test_evaluator_releases_the_target_and_keeps_its_metrics(setup, fitted, monk
     got = evaluator.evaluate_version(drafter, head, heldout)
     want = evaluator.evaluate_version(fitted, target, evaluator.HeldOut(cfg, target, 8, 4, 16))
     assert got == want and got["real"]["tau"] > 1.5
+
+
+def test_a_proposers_walk_replays_real_decoding_with_it(setup, tmp_path):
+    """The n-gram table's walk over the target's held-out texts (``proposer_walk_counts``,
+    what the recipe tables divide by) is its real tau on those prompts, text by text."""
+    from dflash_actors.eval.decode import NgramProposer
+    from dflash_actors.eval.tau import decode_stats, proposer_walk_counts
+    cfg, target, _ = setup
+    train, held = ensure_synthetic_dataset(cfg.data)
+    ngram = NgramProposer(open_dataset(cfg.data, progress=False, path=train), B)
+    heldout = open_dataset(cfg.data, progress=False, path=held)
+    regen = open_dataset(cfg.data, progress=False, path=regenerate(target, heldout, tmp_path / "regen", 16))
+    sub = tmp_path / "sub"
+    ids, masks = zip(*(regen.sample(i) for i in range(4)))
+    write_token_dataset(sub, *flatten(list(ids)), flatten(list(masks))[1])
+    tokens, steps = proposer_walk_counts(ngram, open_dataset(cfg.data, progress=False, path=sub), B)
+    prompts = [torch.from_numpy(i[:int(np.argmax(m))]) for i, m in zip(ids, masks)]
+    for p, text, t, s in zip(prompts, ids, tokens, steps):
+        real = decode_stats([speculative_generate(ngram, target, p, 16, B)], [len(p)], 16, B,
+                            [torch.from_numpy(text)])
+        assert real["lossless"] and t / s == pytest.approx(real["tau_clipped"], abs=1e-9)
+    assert sum(tokens) / sum(steps) > 1.0        # the table drafts something right: the check has teeth

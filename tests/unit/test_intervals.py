@@ -55,3 +55,17 @@ def test_pooled_intervals_and_a_paired_difference_between_two_drafters():
     assert 0 < lo <= hi
     with pytest.raises(ValueError, match="paired by text"):
         pooled_difference_interval((tokens, steps), (tokens[:-1], steps[:-1]))
+
+
+def test_a_pooled_ratio_against_a_baseline_is_paired_by_text():
+    from dflash_actors.eval.intervals import pooled_ratio_interval
+
+    rng = np.random.default_rng(5)
+    steps = rng.integers(20, 60, 64)
+    tokens = (steps * rng.uniform(1.2, 1.6, 64)).round()
+    assert pooled_ratio_interval((tokens, steps), (tokens, steps)) == [1.0, 1.0]
+    # Every text walks 10% further than its baseline: the ratio's interval holds 1.1 alone.
+    lo, hi = pooled_ratio_interval((tokens * 1.1, steps), (tokens, steps))
+    assert lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="pooled_ratio_interval: 63 texts against 64"):
+        pooled_ratio_interval((tokens[:-1], steps[:-1]), (tokens, steps))
