@@ -99,7 +99,8 @@ VARIANTS = {
 
 BEFORE_DFLASH2 = ("drafter.arch=dflash", "train.head_vocab=sampled")
 """What the SmolLM2 config set before it trained DFlash2 (2026-12-06): the variants written
-against it keep it (``overrides``), except ``default``, the config as it is."""
+against it keep it (``overrides``), except ``default`` and the ``d2_`` variants, which
+change the config as it is."""
 
 
 def overrides(name: str) -> list[str]:
@@ -157,17 +158,24 @@ def outside_share(drafter, target, texts, vocab) -> float:
     return out / max(total, 1)
 
 
+def walk_summary(tokens: list[int], steps: list[int]) -> dict:
+    """A walk over the held-out texts: its pooled tau and interval, and each text's counts
+    (for the paired intervals against another variant or the n-gram table)."""
+    from dflash_actors.eval.intervals import pooled_interval
+
+    return {"walk_tau": round(sum(tokens) / max(sum(steps), 1), 4), "walk_ci95": pooled_interval(tokens, steps),
+            "walk_tokens": tokens, "walk_steps": steps}
+
+
 def heldout_metrics(drafter, target, texts, vocab=None) -> dict:
     import numpy as np
 
-    from dflash_actors.eval.intervals import pooled_interval
     from dflash_actors.eval.tau import text_metrics, walk_counts, walk_tau
 
     pairs: list = []
     tokens, steps = walk_counts(drafter, target, texts, keep=pairs)
     sim = text_metrics(np.concatenate([c for c, _ in pairs]), np.concatenate([v for _, v in pairs]))
-    out = {"walk_tau": round(sum(tokens) / max(sum(steps), 1), 4), "walk_ci95": pooled_interval(tokens, steps),
-           "walk_tokens": tokens, "walk_steps": steps, "simulated_tau": round(sim["tau"], 4),
+    out = {**walk_summary(tokens, steps), "simulated_tau": round(sim["tau"], 4),
            "slot_acc": sim["per_position"][:2], "per_position": sim["per_position"]}
     selector = drafter.candidate_selector
     if selector is not None:
@@ -333,13 +341,10 @@ def ngram_walk(cfg, texts) -> dict:
     texts: the goal is a ratio to it, and a data lever moves both sides."""
     from dflash_actors.data.dataset import open_dataset
     from dflash_actors.eval.decode import NgramProposer
-    from dflash_actors.eval.intervals import pooled_interval
     from dflash_actors.eval.tau import proposer_walk_counts
 
     B = cfg.drafter.block_size
-    tokens, steps = proposer_walk_counts(NgramProposer(open_dataset(cfg.data, progress=False), B), texts, B)
-    return {"walk_tau": round(sum(tokens) / max(sum(steps), 1), 4), "walk_ci95": pooled_interval(tokens, steps),
-            "walk_tokens": tokens, "walk_steps": steps}
+    return walk_summary(*proposer_walk_counts(NgramProposer(open_dataset(cfg.data, progress=False), B), texts, B))
 
 
 def versus_ngram(results: list[dict]) -> dict:

@@ -94,14 +94,10 @@ def proposer_walk_counts(propose, dataset, block_size: int) -> tuple[list[int], 
     tokens, steps = [], []
     for i in range(len(dataset)):
         ids, mask = dataset.sample(i)
-        ids_t = torch.from_numpy(ids)
-        anchors = anchor_candidates(mask)
+        ids_t, anchors, first = torch.from_numpy(ids), anchor_candidates(mask), int(np.argmax(mask))
+        correct, _ = proposer_correct(propose, ids_t, first, block_size)    # a row per position from the first
         _, valid = block_labels(ids_t, torch.from_numpy(mask), torch.from_numpy(anchors), block_size)
-        correct = np.zeros((len(anchors), block_size - 1), bool)
-        for r, a in enumerate(anchors.tolist()):
-            want = ids_t[a + 1:a + block_size]
-            correct[r, :len(want)] = (propose(ids_t[:a + 1], None)[:len(want)] == want).numpy()
-        t, s = text_walk(correct & valid[:, 1:].numpy(), mask)
+        t, s = text_walk(correct[anchors - first] & valid[:, 1:].numpy(), mask)
         tokens.append(t)
         steps.append(s)
     return tokens, steps
