@@ -214,7 +214,10 @@ def feature_key(cfg) -> str:
     import hashlib
 
     d = cfg.to_dict()
-    key = [d["data"], d["batching"], d["target"], cfg.drafter.num_layers, cfg.drafter.target_layer_ids,
+    # The drafter's depth picks the taps only when they are left to the default; named taps
+    # read the same features at any depth (a third layer on [1, 27] need not fill again).
+    depth = cfg.drafter.num_layers if cfg.drafter.target_layer_ids is None else None
+    key = [d["data"], d["batching"], d["target"], depth, cfg.drafter.target_layer_ids,
            cfg.train.loss, cfg.train.seed, cfg.train.grad_accum, d["topology"]]
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
