@@ -467,7 +467,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--minutes", type=float, help="equal training minutes per variant instead of equal steps")
     ap.add_argument("--parallel", type=int, default=1, help="variants run at a time (one thread each)")
-    ap.add_argument("--marks", default="50,200")
+    ap.add_argument("--marks", default="50,200",
+                    help="steps to measure at, with --steps (--minutes measures at each run's half and end)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--data", default=str(ROOT / ".cache" / "smollm2-train"))
     ap.add_argument("--heldout", default=str(ROOT / ".cache" / "smollm2-heldout"))
