@@ -95,6 +95,11 @@ VARIANTS = {
     # shipped prompts and the 894 wheel prompts, one greedy completion each (1,494), against
     # --data (the 600 alone, greedy). Its n-gram table is its own data's too.
     "d2_data_wheels": ["drafter.init=random", "train.position_weight=dpace", "data.path=.cache/smollm2-train-wheels"],
+    # Greedy against sampled (#45, item 4): the same 1,494 prompts, one completion each at
+    # temperature 0.7 (about the same generation minutes), against --data's greedy ones. The
+    # held-out texts stay the target's greedy text, as the decoding it stands for is greedy.
+    "d2_data_wheels_t0.7": ["drafter.init=random", "train.position_weight=dpace",
+                            "data.path=.cache/smollm2-train-wheels-t0.7"],
     # The anchors' default recipe, whole: random init, decay gamma, CE, lr 6e-4 with 4%
     # warmup and a cosine, the exact head.
     "control": ["drafter.init=random", "train.position_weight=decay", "train.loss=ce", "train.lr=6e-4",
