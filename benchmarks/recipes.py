@@ -168,19 +168,10 @@ def outside_share(drafter, target, texts, vocab) -> float:
     return out / max(total, 1)
 
 
-def walk_summary(tokens: list[int], steps: list[int]) -> dict:
-    """A walk over the held-out texts: its pooled tau and interval, and each text's counts
-    (for the paired intervals against another variant or the n-gram table)."""
-    from dflash_actors.eval.intervals import pooled_interval
-
-    return {"walk_tau": round(sum(tokens) / max(sum(steps), 1), 4), "walk_ci95": pooled_interval(tokens, steps),
-            "walk_tokens": tokens, "walk_steps": steps}
-
-
 def heldout_metrics(drafter, target, texts, vocab=None) -> dict:
     import numpy as np
 
-    from dflash_actors.eval.tau import text_metrics, walk_counts, walk_tau
+    from dflash_actors.eval.tau import text_metrics, walk_counts, walk_summary, walk_tau
 
     pairs: list = []
     tokens, steps = walk_counts(drafter, target, texts, keep=pairs)
@@ -354,7 +345,7 @@ def ngram_walk(cfg, texts) -> dict:
     texts: the goal is a ratio to it, and a data lever moves both sides."""
     from dflash_actors.data.dataset import open_dataset
     from dflash_actors.eval.decode import NgramProposer
-    from dflash_actors.eval.tau import proposer_walk_counts
+    from dflash_actors.eval.tau import proposer_walk_counts, walk_summary
 
     B = cfg.drafter.block_size
     return walk_summary(*proposer_walk_counts(NgramProposer(open_dataset(cfg.data, progress=False), B), texts, B))

@@ -103,6 +103,15 @@ def proposer_walk_counts(propose, dataset, block_size: int) -> tuple[list[int], 
     return tokens, steps
 
 
+def walk_summary(tokens: list[int], steps: list[int]) -> dict:
+    """A walk over held-out texts as the tools record it: its pooled tau and interval, and
+    each text's counts (for paired intervals against another drafter or a baseline)."""
+    from .intervals import pooled_interval
+
+    return {"walk_tau": round(sum(tokens) / max(sum(steps), 1), 4), "walk_ci95": pooled_interval(tokens, steps),
+            "walk_tokens": tokens, "walk_steps": steps}
+
+
 def text_walk(correct: np.ndarray, mask: np.ndarray) -> tuple[int, int]:
     """One text's walk from its ``drafter_correct`` rows: tokens gained and verify steps,
     from the first completion token, each step jumping ``1 + leading correct``."""

@@ -103,8 +103,7 @@ def measure(cfg: Config, taps: tuple[int, ...], steps: int, heldout: str, texts:
 
     from ..data.dataset import open_dataset
     from ..data.synthetic import train_path
-    from ..eval.intervals import pooled_interval
-    from ..eval.tau import text_metrics, walk_counts
+    from ..eval.tau import text_metrics, walk_counts, walk_summary
     from ..job.reference import train_reference
     from ..train.sizing import sized_to_steps
 
@@ -127,11 +126,9 @@ def measure(cfg: Config, taps: tuple[int, ...], steps: int, heldout: str, texts:
         tokens, vsteps = walk_counts(drafter, target, ds, keep=pairs, limit=n)
     sim = text_metrics(np.concatenate([c for c, _ in pairs]), np.concatenate([v for _, v in pairs]))
     tail = res.losses[-5:]
-    return {"taps": list(taps), "steps": res.steps, "walk_tau": round(sum(tokens) / max(sum(vsteps), 1), 4),
-            "walk_ci95": pooled_interval(tokens, vsteps), "simulated_tau": round(sim["tau"], 4),
-            "per_position": sim["per_position"], "loss": round(sum(tail) / len(tail), 4),
-            "s_per_step": round(train_s / max(res.steps, 1), 3), "texts": n,
-            "walk_tokens": tokens, "walk_steps": vsteps}
+    return {"taps": list(taps), "steps": res.steps, **walk_summary(tokens, vsteps),
+            "simulated_tau": round(sim["tau"], 4), "per_position": sim["per_position"],
+            "loss": round(sum(tail) / len(tail), 4), "s_per_step": round(train_s / max(res.steps, 1), 3), "texts": n}
 
 
 class Runner:
