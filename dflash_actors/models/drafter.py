@@ -27,7 +27,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from .dflash2 import DFLASH2_KEYS, BlockConv, CandidateSelector
 from .target import ensure_target, load_target
-from .target_dir import is_hf_dir
+from .target_dir import has_tokenizer, is_hf_dir
 
 WEIGHTS = "model.safetensors"
 # Saved as ``dflash.py`` beside the weights: config.json's ``auto_map`` names it.
@@ -42,28 +42,54 @@ def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: l
     t = target_config
     heads = int(t.num_attention_heads)
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
-    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e4)}
     cfg = Qwen3Config(
         vocab_size=vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=heads,
         num_key_value_heads=int(getattr(t, "num_key_value_heads", None) or heads), head_dim=head_dim,
-        rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
+        rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)), rope_parameters=drafter_rope(t),
         max_position_embeddings=int(t.max_position_embeddings), tie_word_embeddings=False,
         attention_bias=False, use_sliding_window=False)
     cfg.architectures = ["DFlashDraftModel"]
+    # Stated for every arch: z-lab's reference makes a layer causal when it is absent,
+    # and vLLM falls back to layer_types, which an engine may read otherwise.
+    cfg.is_causal = False
     cfg.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}
     cfg.block_size = block_size
     cfg.num_target_layers = int(t.num_hidden_layers)
     cfg.dflash_config = {"mask_token_id": mask_token_id, "mask_token_reason": mask_token_reason,
                          "target_layer_ids": list(layer_ids), "block_size": block_size}
     if dflash2 is not None:
-        # As published: no auto_map (the engines and z-lab's package bring the code), and
-        # is_causal stated, since z-lab's reference makes a layer causal when it is absent.
+        # As published: no auto_map (the engines and z-lab's package bring the code).
         cfg.architectures = ["DFlash2DraftModel"]
         del cfg.auto_map
-        cfg.is_causal = False
         cfg.dflash_config.update({k: int(dflash2[k]) for k in DFLASH2_KEYS})
     return cfg
+
+
+ROPE_NOT_COMPUTED = ("partial_rotary_factor", "rope_dim", "mrope_section", "mrope_interleaved", "type")
+"""Target RoPE keys the drafter does not compute: its attention rotates every dimension of
+every head at the block's 1-D positions (``Qwen3RotaryEmbedding`` over ``head_dim``). An
+engine reads each of them from a drafter's ``rope_parameters`` (vLLM's ``get_rope`` rotates
+``head_dim * partial_rotary_factor`` dims, or ``rope_dim``, and builds an M-RoPE from
+``mrope_section``), so a copied Qwen3.5/3.6 dict would be served with a quarter of each
+head rotated. (``type`` is the old spelling of ``rope_type``.)"""
+
+
+def drafter_rope(target_config) -> dict:
+    """The drafter's ``rope_parameters``: what it computes and nothing else. ``rope_theta``
+    and ``rope_type``, and a scaling type's own keys (yarn's, llama3's...), which the
+    drafter applies as the target does; never ``ROPE_NOT_COMPUTED``."""
+    t = target_config
+    rope = dict(getattr(t, "rope_parameters", None) or {})
+    if set(rope) and all(isinstance(v, dict) for v in rope.values()):
+        # Per layer type (Gemma-style {"full_attention": {...}, ...}): the drafter's layers are full.
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    theta = rope.get("rope_theta", getattr(t, "rope_theta", None))
+    out = {"rope_type": kind, "rope_theta": float(theta if theta is not None else 1e4)}
+    if kind != "default":
+        out |= {k: v for k, v in rope.items() if k not in (*ROPE_NOT_COMPUTED, "rope_type", "rope_theta")}
+    return out
 
 
 def dflash2_fields(drafter_cfg) -> dict | None:
@@ -357,7 +383,7 @@ def is_drafter_dir(path: Path) -> bool:
 
 def _default_mask_token(cfg, target) -> tuple[int, str]:
     path = ensure_target(cfg)
-    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+    if not has_tokenizer(path):
         return target.vocab_size - 1, "last embedding row (the target has no tokenizer)"
     from transformers import AutoTokenizer
 

@@ -20,7 +20,7 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..console import first_line
-from .target import configured_layer_ids, ensure_target, load_target, resolve_dtype
+from .target import check_served_taps, configured_layer_ids, ensure_target, load_target, resolve_dtype
 from .target_dir import is_hf_dir
 
 EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
@@ -73,6 +73,7 @@ def layer_ids_for(cfg, target_config) -> list[int]:
     bad = [i for i in ids if not 0 <= i < n]
     if bad:
         raise ValueError(f"drafter.target_layer_ids: layer {bad[0]} does not exist in a {n}-layer target")
+    check_served_taps(ids, n, "drafter.target_layer_ids")
     return ids
 
 

@@ -211,6 +211,18 @@ def placement(device: torch.device) -> dict:
     return {"device_map": {"": torch.device("cuda", index)}}
 
 
+def check_served_taps(layer_ids, num_target_layers: int, key: str) -> None:
+    """Refuse a tap on the target's last layer: training reads it after the final norm
+    (``hidden_states[-1]``, as z-lab's code does), but vLLM captures every tap inside its
+    decoder loop, before that norm (``_maybe_add_hidden_state``), and SGLang captures taps
+    before the next layer, which the last one has none of. Served, such a drafter reads
+    features it never saw (docs/serving.md)."""
+    last = num_target_layers - 1
+    if last in layer_ids:
+        raise ValueError(f"{key}: layer {last} is the target's last layer, which training reads after the final "
+                         f"norm and vLLM/SGLang serve before it (or not at all); choose layers below {last}")
+
+
 def configured_layer_ids(cfg, num_target_layers: int) -> list[int]:
     """``drafter.target_layer_ids``, or ``build_target_layer_ids`` when it is null."""
     ids = cfg.drafter.target_layer_ids

@@ -80,3 +80,8 @@ def transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether an HF directory carries a tokenizer (the demo's tiny target has none)."""
+    return (Path(path) / "tokenizer.json").is_file() or (Path(path) / "tokenizer_config.json").is_file()

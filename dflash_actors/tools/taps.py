@@ -62,8 +62,9 @@ def parse_candidates(text: str) -> list[tuple[int, ...]]:
 
 
 def grid_layers(num_layers: int, grid: int) -> list[tuple[int, ...]]:
-    """``grid`` single layers spread evenly over 1..L-1 (layer 0 is nearly the embedding)."""
-    lo, hi = 1, num_layers - 1
+    """``grid`` single layers spread evenly over 1..L-2 (layer 0 is nearly the embedding;
+    the last layer is served unlike it trains, ``check_served_taps``)."""
+    lo, hi = 1, max(1, num_layers - 2)
     if grid == 1 or hi <= lo:
         return [(hi,)]
     return sorted({(round(lo + i * (hi - lo) / (grid - 1)),) for i in range(grid)})
@@ -75,10 +76,15 @@ def combined(ranked_singles: list[tuple[int, ...]], sizes: list[int]) -> list[tu
 
 
 def check_layers(candidates: list[tuple[int, ...]], num_layers: int) -> None:
+    from ..models.target import check_served_taps
     for taps in candidates:
         bad = [i for i in taps if i >= num_layers]
         if bad:
             raise ConfigError(f"--candidates: layer {bad[0]} does not exist in a {num_layers}-layer target")
+        try:
+            check_served_taps(taps, num_layers, "--candidates")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def target_layers(cfg: Config) -> tuple[int, list[int]]:

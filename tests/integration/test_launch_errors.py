@@ -48,6 +48,7 @@ CASES = {
     "drafter hidden size": (["--set", "drafter.init_from={other}"], "drafter.init_from: "),
     "too many GPUs": (["--set", "topology.target_devices=[cuda:0]"], "CUDA device"),
     "layer out of range": (["--set", "drafter.target_layer_ids=[99]"], "target_layer_ids"),
+    "last layer as a tap": (["--set", "drafter.target_layer_ids=[1, 3]"], "layer 3 is the target's last layer"),
     "mask id outside vocab": (["--set", "drafter.mask_token_id=100000"], "mask_token_id"),
     "token out of vocab": (["--set", "data.path={bad}"], "row 2: input_ids value 999"),
     "unknown key": (["--set", "train.learning_rate=1"], "train.learning_rate: unknown key"),

@@ -18,8 +18,8 @@ def test_candidates_parse_sorted_distinct_and_refuse_nonsense():
 
 
 def test_search_spreads_single_layers_then_combines_the_best():
-    assert taps.grid_layers(30, 6) == [(1,), (7,), (12,), (18,), (23,), (29,)]
-    assert taps.grid_layers(4, 10) == [(1,), (2,), (3,)]            # no layer twice on a short target
+    assert taps.grid_layers(30, 6) == [(1,), (6,), (12,), (17,), (23,), (28,)]     # never the last layer
+    assert taps.grid_layers(4, 10) == [(1,), (2,)]                 # no layer twice on a short target
     ranked = [(23,), (29,), (12,), (1,)]
     assert taps.combined(ranked, [2, 3, 9]) == [(23, 29), (12, 23, 29)]
 
@@ -43,13 +43,13 @@ def test_taps_ranks_given_sets_with_the_control_and_measures_each_as_alone(cache
     # The pipeline tests' data, so the session's tiny target is theirs too (fitting one costs 20 s).
     sets = [*SMALL[:2], f"data.cache_dir={cache_dir}"]
     args = ["--config", str(ROOT / "configs/default.yaml"), *(a for s in sets for a in ("--set", s)),
-            "--steps", "2", "--texts", "3", "--candidates", "0,1 3", "--out", str(tmp_path / "taps.json")]
+            "--steps", "2", "--texts", "3", "--candidates", "0,1 1", "--out", str(tmp_path / "taps.json")]
     assert taps.main(args) == 0
     report = json.loads((tmp_path / "taps.json").read_text())
     assert report == json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     control = report["control"]
     assert [sorted(r["taps"]) for r in report["ranked"]] and control in [r["taps"] for r in report["ranked"]]
-    assert sorted(map(tuple, (r["taps"] for r in report["ranked"]))) == sorted([(0, 1), (3,), tuple(control)])
+    assert sorted(map(tuple, (r["taps"] for r in report["ranked"]))) == sorted([(0, 1), (1,), tuple(control)])
     taus = [r["walk_tau"] for r in report["ranked"]]
     assert taus == sorted(taus, reverse=True) and report["best"] == report["ranked"][0]["taps"]
     cfg = load_config(ROOT / "configs/default.yaml", sets)
@@ -58,11 +58,12 @@ def test_taps_ranks_given_sets_with_the_control_and_measures_each_as_alone(cache
     for key in ("steps", "walk_tau", "walk_ci95", "simulated_tau", "loss"):
         assert got[key] == alone[key], key
     assert got["steps"] == 2 and len(alone["walk_tokens"]) == got["texts"] == 3
-    assert got["walk_tau"] != next(r for r in report["ranked"] if r["taps"] == [3])["walk_tau"]
+    assert got["walk_tau"] != next(r for r in report["ranked"] if r["taps"] == [1])["walk_tau"]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--candidates", "1,9"], "layer 9 does not exist in a 4-layer target"),
+    (["--candidates", "1,3"], "layer 3 is the target's last layer"),
     (["--candidates", "1,x"], "is not a comma-separated list"),
     (["--sizes", "1"], "--sizes"),
     (["--steps", "0"], "must each be at least 1"),
