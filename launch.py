@@ -31,6 +31,7 @@ COMMANDS = {
     "status": ("dflash_actors.observe.statusview", "how a run is doing, from another terminal (exit 0 healthy)"),
     "prepare": ("dflash_actors.prepare.regenerate", "prompts in, dataset out: the target regenerates every response"),
     "evaluate": ("dflash_actors.eval.parity", "simulated against real acceptance of a drafter, with baselines"),
+    "serve-check": ("dflash_actors.eval.serve", "the run's drafter served by a real vLLM, against evaluate"),
     "plot": ("dflash_actors.observe.plot", "one picture of a run (needs matplotlib)"),
     "taps": ("dflash_actors.tools.taps", "rank which target layers feed the drafter, by short runs on your data"),
     "chaos": ("dflash_actors.tools.chaos", "a run under random kill -9s from outside, judged at the end"),
@@ -40,7 +41,7 @@ COMMANDS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    epilog = "commands (launch.py COMMAND --help):\n" + "\n".join(f"  {c:<10} {h}" for c, (_, h) in COMMANDS.items())
+    epilog = "commands (launch.py COMMAND --help):\n" + "\n".join(f"  {c:<11} {h}" for c, (_, h) in COMMANDS.items())
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter,
                                  epilog=epilog)
     add_config_args(ap)

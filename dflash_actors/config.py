@@ -95,13 +95,15 @@ class BatchingConfig:
 @dataclass(frozen=True)
 class TinyTargetConfig:
     """Shape of the synthetic Qwen3 target built from config (random init, then a short
-    fit to the synthetic data so that its greedy text is not degenerate)."""
+    fit to the synthetic data so that its greedy text is not degenerate). Heads of 32:
+    the smallest a serving engine has kernels for (vLLM's CPU attention refuses 16), so
+    that the demo's drafter can be served (``launch.py serve-check``)."""
 
-    hidden_size: int = checked(64, at_least(8))
+    hidden_size: int = checked(128, at_least(8))
     num_layers: int = checked(4, at_least(1))
     num_heads: int = checked(4, at_least(1))
     num_kv_heads: int = checked(2, at_least(1))
-    intermediate_size: int = checked(128, at_least(1))
+    intermediate_size: int = checked(256, at_least(1))
     pretrain_steps: int = checked(300, at_least(0))
     pretrain_batch: int = checked(8, at_least(1))
     """Sequences per pretraining step (the fit is kept short: seconds on one thread)."""

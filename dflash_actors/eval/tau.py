@@ -125,7 +125,8 @@ def text_walk(correct: np.ndarray, mask: np.ndarray) -> tuple[int, int]:
 
 
 def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
-             stop_ids: tuple[int, ...] = (), check_lossless: str = "full", references: list | None = None) -> dict:
+             stop_ids: tuple[int, ...] = (), check_lossless: str = "full", references: list | None = None,
+             keep: list | None = None) -> dict:
     """Real speculative decoding of ``drafter`` from ``prompts``, all prompts' verify steps
     batched (``decode.speculative_generate_rows``: each prompt decodes as it would alone),
     summed up by ``decode_stats``.
@@ -133,12 +134,15 @@ def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
     ``references``: the target's greedy texts of ``prompts`` to check losslessness
     against, if known; else ``check_lossless`` says how to get them: "full", cache-free
     greedy decoding (exact, slow), "cached", cached greedy decoding (what serving
-    compares), "none" skips the check.
+    compares), "none" skips the check. ``keep``: a list that receives the ``Generation``
+    of each prompt (``serve-check`` counts them as an engine does).
     """
     t = time.perf_counter()
     gens = speculative_generate_rows(DrafterBlocks(drafter, target, len(prompts)), target, prompts,
                                      max_new_tokens, drafter.block_size, stop_ids)
     spec_s = time.perf_counter() - t
+    if keep is not None:
+        keep.extend(gens)
     if references is None:
         if check_lossless == "full":
             references = [cut_at_stop(greedy_generate(target, p, max_new_tokens), len(p), stop_ids) for p in prompts]
