@@ -38,6 +38,7 @@ from ..models.drafter import DFlashDrafter, is_drafter_dir
 from ..models.target import TargetModel
 from ..models.target_dir import resolve_target_dir
 from ..prepare.generate import stop_ids
+from ..prepare.prompt_sets import prompt_sets
 from ..prepare.regenerate import (
     PrepareError,
     TemplateSettings,
@@ -52,6 +53,7 @@ from ..prepare.regenerate import (
 from ..train.checkpoint import STATE_FILE, latest_checkpoint, load_trainer_state
 from .decode import NgramProposer, repeat_proposer
 from .intervals import ratio_interval
+from .prompt_set_table import format_set_table
 from .tau import (
     TargetTexts,
     clip_rows,
@@ -105,13 +107,14 @@ def saved_run_config(drafter_dir: Path) -> dict | None:
     return load_trainer_state(drafter_dir).get("config") if (drafter_dir / STATE_FILE).is_file() else None
 
 
-def load_parity_target(target_path: str, layer_ids: list[int], cache_dir: str = ".cache"):
-    """``(TargetModel, tokenizer)`` on CPU in float32, exposing ``layer_ids``."""
+def load_parity_target(target_path: str, layer_ids: list[int], cache_dir: str = ".cache", tokenizer: bool = True):
+    """``(TargetModel, tokenizer)`` on CPU in float32, exposing ``layer_ids``; the
+    tokenizer None unless ``tokenizer``."""
     tdir = resolve_target_dir(target_path, None, cache_dir)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32, attn_implementation="sdpa")
-    return TargetModel(model, layer_ids), load_tokenizer(tdir)
+    return TargetModel(model, layer_ids), (load_tokenizer(tdir) if tokenizer else None)
 
 
 def check_template(tokenizer, opts: dict, dataset_dir: Path | None) -> str:
@@ -255,7 +258,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="launch.py evaluate",
                                  description="Simulated against real acceptance of a drafter on held-out prompts")
     ap.add_argument("checkpoint", help="drafter directory, checkpoint step-N, or run directory")
-    ap.add_argument("--prompts", required=True, help="held-out JSONL chat prompts or text lines")
+    ap.add_argument("--prompts", required=True,
+                    help="held-out JSONL chat prompts or text lines, a prompt set (humaneval, mtbench), "
+                         "or a comma list of them, each evaluated in turn")
     ap.add_argument("--target", help="target path or pkg:NAME (default: the one the run trained against)")
     ap.add_argument("--dataset", help="the training dataset, for its template metadata and the n-gram "
                                       "baseline (default: the run's data.path)")
@@ -269,16 +274,27 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
+    reports = {}
     try:
-        report = evaluate_real(args.checkpoint, args.prompts, target_path=args.target, dataset_dir=args.dataset,
-                               template=template_opts(args), max_new_tokens=args.max_new_tokens, limit=args.limit,
-                               baselines=tuple(b for b in args.baselines.split(",") if b and b != "none"),
-                               threads=args.threads, cache_dir=args.cache_dir,
-                               log=lambda m: print(m, file=sys.stderr))
+        sets = prompt_sets(args.prompts)
+        for name, path in sets.items():
+            if len(sets) > 1:
+                print(f"evaluate: prompt set {name} ({path})", file=sys.stderr)
+            reports[name] = evaluate_real(
+                args.checkpoint, path, target_path=args.target, dataset_dir=args.dataset,
+                template=template_opts(args), max_new_tokens=args.max_new_tokens, limit=args.limit,
+                baselines=tuple(b for b in args.baselines.split(",") if b and b != "none"),
+                threads=args.threads, cache_dir=args.cache_dir, log=lambda m: print(m, file=sys.stderr))
     except (ValueError, OSError) as e:
         print(f"error: {first_line(e)}", file=sys.stderr)
         return 2
-    print(format_report(report))
+    if len(reports) == 1:
+        report = next(iter(reports.values()))
+        print(format_report(report))
+    else:
+        report = {"sets": reports}
+        print("\n\n".join(f"== {name}\n{format_report(r)}" for name, r in reports.items()))
+        print("\n" + format_set_table(reports))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

@@ -2,7 +2,8 @@
 prompts through the chat template in, a dataset of the target's own responses out, and the
 target's text for a dataset already tokenized), its two engines (``generate``, the target
 loaded here with continuous batching; ``serving``, OpenAI-compatible servers), and the
-prompts a target writes itself (``self_prompts``).
+prompts a target writes itself (``self_prompts``); the named prompt sets ``evaluate`` and
+``serve-check`` take (``prompt_sets``: HumanEval, MT-Bench).
 
 One floor below ``eval/``, which reads what this writes; nothing here imports from above.
 """
