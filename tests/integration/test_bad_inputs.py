@@ -112,7 +112,7 @@ def inputs(tmp_path_factory):
     # Targets: a random one over the synthetic data's 256 ids, so that no case waits for
     # the tiny target's fit, and one whose vocabulary is smaller than the data's ids.
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16)
     torch.manual_seed(0)
     Qwen3ForCausalLM(Qwen3Config(vocab_size=256, **shape)).save_pretrained(d / "target")

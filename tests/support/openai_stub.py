@@ -187,9 +187,9 @@ def served_chat(cache_dir: Path, out: Path, prompts_list: list[dict] = PROMPTS) 
     vocabulary, and ``prompts_list`` as JSONL, under ``out``."""
     from dflash_actors.config import load_config
     from dflash_actors.models.target import ensure_target
-    from tests.support.pipeline import ROOT, SMALL
+    from tests.support.pipeline import HEADS_16, ROOT, SMALL
 
-    cfg = load_config(ROOT / "configs/default.yaml", SMALL + [f"data.cache_dir={cache_dir}"])
+    cfg = load_config(ROOT / "configs/default.yaml", SMALL + HEADS_16 + [f"data.cache_dir={cache_dir}"])
     target = full_vocab_chat_target(out / "target", ensure_target(cfg))
     prompts = out / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in prompts_list))

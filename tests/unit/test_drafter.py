@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from dflash_actors.config import load_config
 from dflash_actors.models.drafter import DFlashDrafter, build_drafter, choose_mask_token, drafter_shell, sdpa_dense
 from dflash_actors.train.params import ParamLayout, WeightStore
+from tests.support.pipeline import HEADS_16
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +81,7 @@ def test_exported_config_and_weights(setup, tmp_path):
 def test_init_from_a_saved_drafter(setup, tmp_path):
     cfg, target, d = setup
     d.save_pretrained(tmp_path / "dr")
-    base = [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20",
+    base = [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20", *HEADS_16,
             f"drafter.init_from={tmp_path / 'dr'}"]
     again = build_drafter(load_config(ROOT / "configs" / "default.yaml", base), target)
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in d.state_dict().items())
@@ -183,7 +184,7 @@ def test_init_from_rejects_attention_we_do_not_implement(setup, tmp_path, field,
     # What transformers 4.x wrote for Qwen3 without a window: must still load.
     c.update(sliding_window=4096, use_sliding_window=False, layer_types=["full_attention"] * d.config.num_hidden_layers)
     path.write_text(json.dumps(c))
-    base = [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20",
+    base = [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20", *HEADS_16,
             f"drafter.init_from={tmp_path / 'dr'}"]
     build_drafter(load_config(ROOT / "configs" / "default.yaml", base), target)
     c[field] = value
