@@ -210,15 +210,19 @@ def _vllm_verdict(model, params, files, tensors, trace, config, arch, notes) -> 
     built = {"fc_in": m.fc.input_size if getattr(m, "fc", None) is not None else None,
              "mask_token_id": m.mask_token_id}
     if arch == "dflash2":
-        sel = m.candidate_selector
-        built.update(conv_kernel_size=layer0.attention_conv.taps, conv_group_size=layer0.attention_conv.group_size,
-                     selector_rank=int(sel.predecessor_codebook.shape[1]), selector_top_k=int(sel.top_k),
-                     mlp_conv=(layer0.mlp_conv.taps, layer0.mlp_conv.group_size))
+        built.update(dflash2_built(layer0, m.candidate_selector))
         notes.append(f"conv block length built = 1 + num_speculative_tokens = {layer0.attention_conv.block_size} "
                      f"(export block_size {config['dflash_config'].get('block_size')})")
     out = verdict(params, files, tensors, trace, excluded, built, config, arch, notes)
     out["draft_attn_causal"] = [bool(x) for x in model.get_draft_attn_causal()]
     return out
+
+
+def dflash2_built(layer0, selector) -> dict:
+    """The DFlash2 sizes an engine built its modules with (both engines name them alike)."""
+    return dict(conv_kernel_size=layer0.attention_conv.taps, conv_group_size=layer0.attention_conv.group_size,
+                selector_rank=int(selector.predecessor_codebook.shape[1]), selector_top_k=int(selector.top_k),
+                mlp_conv=(layer0.mlp_conv.taps, layer0.mlp_conv.group_size))
 
 
 def verdict(params, files, tensors, trace, excluded, built, config, arch, notes) -> dict:
@@ -379,10 +383,7 @@ def check_sglang(export: Path) -> dict:
     built = {"fc_in": int(model.fc.in_features if hasattr(model.fc, "in_features") else model.fc.input_size),
              "mask_token_id": model.draft_config.mask_token_id}
     if arch == "dflash2":
-        sel = model.candidate_selector
-        built.update(conv_kernel_size=layer0.attention_conv.taps, conv_group_size=layer0.attention_conv.group_size,
-                     selector_rank=int(sel.predecessor_codebook.shape[1]), selector_top_k=int(sel.top_k),
-                     mlp_conv=(layer0.mlp_conv.taps, layer0.mlp_conv.group_size))
+        built.update(dflash2_built(layer0, model.candidate_selector))
         notes.append(f"conv block length built = checkpoint block_size = {layer0.attention_conv.block_size} "
                      "(the worker's set_block_size() replaces it with --speculative-num-draft-tokens)")
     out.update(verdict(params, files, tensors, trace, excluded, built, config, arch, notes))
