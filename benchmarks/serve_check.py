@@ -33,7 +33,8 @@ def say(msg: str) -> None:
 
 def launch(*args: str) -> int:
     say("launch.py " + " ".join(args))
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT).returncode
+    # Training's own summary line goes to stderr: stdout holds this script's lines only.
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT, stdout=sys.stderr).returncode
 
 
 def has_checkpoint(run: Path) -> bool:
@@ -68,7 +69,7 @@ def cases(args) -> dict:
                                         ["--config", "configs/smollm2-135m.yaml", "--topology", "1-1",
                                          "--set", "drafter.arch=dflash", "--set", "train.head_vocab=sampled",
                                          "--set", f"data.path={smol_data}", "--set", f"eval.data={smol_heldout}",
-                                         "--set", f"train.max_steps={args.smollm_steps}"])),
+                                         "--set", "train.epochs=50", "--set", f"train.max_steps={args.smollm_steps}"])),
                     ROOT / "runs/serve-check-smollm2", ["--limit", "16"]),
     }
 
