@@ -187,6 +187,7 @@ def main(argv=None) -> dict:
     from transformers.utils import logging as hf_logging
 
     from dflash_actors.config import load_config
+    from dflash_actors.console import shown_path
     from dflash_actors.eval.parity import evaluate_real
 
     hf_logging.disable_progress_bar()
@@ -278,7 +279,7 @@ def main(argv=None) -> dict:
            "sim_vs_real": res["trained"]["sim_vs_real"],
            "all": {k: {"real_tau": round(v["real"]["tau"], 3), "simulated_tau": round(v["simulated"]["tau"], 3)}
                    for k, v in res.items()},
-           "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": str(run_dir),
+           "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": shown_path(run_dir),
            "recipe": {"arch": cfg.drafter.arch,
                       "selector_rank": cfg.drafter.selector_rank if cfg.drafter.arch == "dflash2" else None,
                       "init": cfg.drafter.init, "position_weight": cfg.train.position_weight,

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_actors.console import shown_path
 from dflash_actors.tools.chaos import restart_times
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +218,7 @@ def main() -> int:
         "batches_duplicated": None if failed else sum(j["batches_duplicated"] or 0 for j in jobs),
         "bit_identical": not failed and all(j["bit_identical"] for j in jobs),
         "shm_residue": shm_new, "problems": [p for j in jobs for p in j.get("problems", [j.get("error")])],
-        "by_job": jobs, "suite_s": round(time.monotonic() - t_all, 1), "runs": str(base),
+        "by_job": jobs, "suite_s": round(time.monotonic() - t_all, 1), "runs": shown_path(base),
     }
     print(json.dumps(record), flush=True)
     return 0 if ok else 1

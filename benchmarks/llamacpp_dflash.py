@@ -233,6 +233,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from dflash_actors.console import shown_path
     from dflash_actors.eval.parity import load_parity_target, resolve_drafter_dir, saved_run_config
     from dflash_actors.eval.tau import TargetTexts
     from dflash_actors.models.drafter import DFlashDrafter, is_dflash2
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
     info_f = build / "llamacpp-build.json"
     info = json.loads(info_f.read_text()) if info_f.is_file() else {}
     out = {
-        "bench": "llamacpp_dflash", "arch": arch, "checkpoint": str(ckpt), "target": str(target_dir),
+        "bench": "llamacpp_dflash", "arch": arch, "checkpoint": shown_path(ckpt), "target": shown_path(target_dir),
         "block_size": B, "draft_len": B - 1, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
         "text_equal": len(eq), "text_differs_at": {r["prompt"]: r["first_diff"] for r in rows if not r["equal"]},
         "llamacpp_tau": round(float(np.mean([r["tau"] for r in eq])), 4) if eq else None,
@@ -342,7 +343,7 @@ def main(argv=None) -> int:
                         "exist, then mean over prompts (evaluate's); llamacpp_own_mean_len: 1 + accepted/steps "
                         "over the whole request (llama-server's log)",
         "convert_s": conv_s, "server_start_s": round(srv.start_s, 1), "serve_s": round(serve_s, 1),
-        "threads": args.threads, "server_cmd": " ".join(srv.cmd[1:]),
+        "threads": args.threads, "server_cmd": " ".join(shown_path(a) if a.startswith("/") else a for a in srv.cmd[1:]),
         "build_command": info.get("command"), "build_minutes": info.get("minutes"),
         "llama_cpp": info.get("version") or str(src),
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
@@ -34,6 +35,14 @@ def first_line(e: BaseException) -> str:
     """The first line of ``e``'s message, or its type's name when it has none."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def shown_path(path) -> str:
+    """A path as reports and result files give it: relative to the working directory (the
+    project, for every command here) when it lies under it, so that no file names the
+    machine that wrote it."""
+    p = Path(path).resolve()
+    return p.relative_to(Path.cwd()).as_posix() if p.is_relative_to(Path.cwd()) else str(path)
 
 
 def setup(mode: str = "auto", every_s: float = 30.0) -> str:

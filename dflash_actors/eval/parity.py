@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..config import DataConfig
-from ..console import first_line
+from ..console import first_line, shown_path
 from ..data.dataset import open_dataset
 from ..models.drafter import DFlashDrafter, is_drafter_dir
 from ..models.target import TargetModel
@@ -166,7 +166,7 @@ def evaluate_real(drafter_dir: str | Path, prompts_path: str | Path, *, target_p
         proposers["ngram"] = NgramProposer(open_dataset(_data_cfg(), progress=False, path=dataset_dir), B)
     if "repeat" in baselines:
         proposers["repeat"] = repeat_proposer(B)
-    out = {"drafter": str(ddir), "target": str(target_path), "prompts": str(prompts_path),
+    out = {"drafter": shown_path(ddir), "target": shown_path(target_path), "prompts": shown_path(prompts_path),
            "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "block_size": B,
            "template_check": checked, "tau_counting": TAU_COUNTING}
     return out | parity_report(target, prompts, drafters, proposers, max_new_tokens, stops, log)

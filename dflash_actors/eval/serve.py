@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..config import config_from_dict
-from ..console import first_line
+from ..console import first_line, shown_path
 from ..data.dataset import open_dataset
 from ..models.drafter import DFlashDrafter, is_dflash2
 from ..models.target import ensure_target
@@ -212,7 +212,7 @@ def serve_check(run_dir: str, *, prompts: str | None = None, limit: int = 32, ma
     target, tokenizer = load_parity_target(str(tdir), drafter.target_layer_ids, cache_dir,
                                            tokenizer=has_tokenizer(tdir))
     if prompts is None:
-        ids, where = heldout_prompts(cfg, limit), f"the run's held-out texts ({heldout_path(cfg)})"
+        ids, where = heldout_prompts(cfg, limit), f"the run's held-out texts ({shown_path(heldout_path(cfg))})"
     else:
         if tokenizer is None:
             raise Unservable(f"--prompts: chat prompts need the target's tokenizer, and {tdir} has none")
@@ -221,7 +221,7 @@ def serve_check(run_dir: str, *, prompts: str | None = None, limit: int = 32, ma
         settings = template_settings(tokenizer, **opts)
         path = prompt_set(prompts)
         ids = [torch.tensor(encode_prompt(tokenizer, m, settings)) for m in read_prompts(path)[:limit]]
-        where = str(path)
+        where = shown_path(path)
     if not ids:
         raise Unservable(f"{where}: no prompts")
     stops = tuple(tokenizer_stop_ids(tokenizer, target.model)) if tokenizer is not None else ()
@@ -236,7 +236,8 @@ def serve_check(run_dir: str, *, prompts: str | None = None, limit: int = 32, ma
     plain = run_engine(python, {**job, "drafter": None}, threads, timeout_s)
     log(f"serve-check: vLLM with the drafter, K = {K}")
     spec = run_engine(python, {**job, "drafter": str(ddir)}, threads, timeout_s)
-    report = {"check": "serve-check", "run": str(run_dir), "drafter": str(ddir), "target": str(tdir),
+    report = {"check": "serve-check", "run": shown_path(run_dir), "drafter": shown_path(ddir),
+              "target": shown_path(tdir),
               "engine": f"vllm {engine['version']} ({engine['device']})", "k": K, "block_size": drafter.block_size,
               "prompts": where, "num_prompts": len(ids), "max_new_tokens": max_new_tokens, "tolerance": tolerance,
               "evaluate": {key: mine[key] for key in ("tau", "tau_ci95", "tau_pooled", "per_position",
