@@ -234,12 +234,12 @@ def main(argv=None) -> int:
     import torch
 
     from dflash_actors.console import shown_path
-    from dflash_actors.eval.parity import load_parity_target, resolve_drafter_dir, saved_run_config
+    from dflash_actors.eval.parity import chat_prompts, load_parity_target, resolve_drafter_dir, saved_run_config
     from dflash_actors.eval.tau import TargetTexts
     from dflash_actors.models.drafter import DFlashDrafter, is_dflash2
     from dflash_actors.models.target_dir import resolve_target_dir
     from dflash_actors.prepare.generate import stop_ids as get_stop_ids
-    from dflash_actors.prepare.regenerate import encode_prompt, load_tokenizer, read_prompts, template_settings
+    from dflash_actors.prepare.regenerate import load_tokenizer
 
     build = Path(args.build).resolve()
     binary = build / "bin" / "llama-server"
@@ -263,8 +263,7 @@ def main(argv=None) -> int:
     from transformers import GenerationConfig
 
     tok = load_tokenizer(target_dir)
-    settings = template_settings(tok, enable_thinking=False, system_prompt=None)
-    prompts = [encode_prompt(tok, m, settings) for m in read_prompts(args.prompts)[:args.limit]]
+    prompts = [p.tolist() for p in chat_prompts(tok, args.prompts, None, None, args.limit)[0]]
     stops = tuple(get_stop_ids(tok, SimpleNamespace(generation_config=GenerationConfig.from_pretrained(target_dir))))
 
     served = []

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from itertools import zip_longest
 
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted"}
@@ -26,22 +27,20 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def spec_counters(llm) -> dict:
+    """vLLM's cumulative spec-decode counters, summed over their label sets."""
     out = {name: 0 for name in COUNTERS.values()}
     out["per_position"] = []
     for m in llm.get_metrics():
         if m.name in COUNTERS:
             out[COUNTERS[m.name]] += int(m.value)
         elif m.name == PER_POS:
-            vals = [int(v) for v in m.values]
-            have = out["per_position"]
-            out["per_position"] = [a + b for a, b in zip(have + [0] * len(vals), vals + [0] * len(have))]
+            out["per_position"] = [a + int(b) for a, b in zip_longest(out["per_position"], m.values, fillvalue=0)]
     return out
 
 
 def delta(after: dict, before: dict) -> dict:
     d = {k: after[k] - before[k] for k in COUNTERS.values()}
-    pos_b = before["per_position"] + [0] * (len(after["per_position"]) - len(before["per_position"]))
-    d["per_position"] = [a - b for a, b in zip(after["per_position"], pos_b)]
+    d["per_position"] = [a - b for a, b in zip_longest(after["per_position"], before["per_position"], fillvalue=0)]
     return d
 
 

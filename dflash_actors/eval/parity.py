@@ -131,6 +131,17 @@ def check_template(tokenizer, opts: dict, dataset_dir: Path | None) -> str:
     return f"matches {dataset_dir}"
 
 
+def chat_prompts(tokenizer, path: str | Path, template: dict | None, dataset_dir: Path | None,
+                 limit: int | None) -> tuple[list[torch.Tensor], str]:
+    """The first ``limit`` prompts of ``path`` through the chat template (``template``: thinking
+    and system prompt, default off and none), refused unless templated as the training data
+    was; with what the template check found."""
+    opts = template or {"enable_thinking": False, "system_prompt": None}
+    checked = check_template(tokenizer, opts, dataset_dir)
+    settings = template_settings(tokenizer, **opts)
+    return [torch.tensor(encode_prompt(tokenizer, m, settings)) for m in read_prompts(path)[:limit]], checked
+
+
 def evaluate_real(drafter_dir: str | Path, prompts_path: str | Path, *, target_path: str | None = None,
                   dataset_dir: str | Path | None = None, template: dict | None = None, max_new_tokens: int = 64,
                   limit: int | None = None, baselines: tuple[str, ...] = ("untrained", "ngram", "repeat"),
@@ -151,10 +162,7 @@ def evaluate_real(drafter_dir: str | Path, prompts_path: str | Path, *, target_p
     if target.hidden_size != drafter.config.hidden_size:
         raise ValueError(f"--target: hidden size {target.hidden_size}, the drafter was trained for "
                          f"{drafter.config.hidden_size}")
-    opts = template or {"enable_thinking": False, "system_prompt": None}
-    checked = check_template(tokenizer, opts, dataset_dir)
-    settings = template_settings(tokenizer, **opts)
-    prompts = [torch.tensor(encode_prompt(tokenizer, m, settings)) for m in read_prompts(prompts_path)[:limit]]
+    prompts, checked = chat_prompts(tokenizer, prompts_path, template, dataset_dir, limit)
     stops = tuple(stop_ids(tokenizer, target.model))
     B = drafter.block_size
     drafters = {"trained": drafter}

@@ -47,9 +47,9 @@ from ..models.target import ensure_target
 from ..models.target_dir import has_tokenizer
 from ..prepare.generate import stop_ids as tokenizer_stop_ids
 from ..prepare.prompt_sets import prompt_set
-from ..prepare.regenerate import add_template_args, encode_prompt, read_prompts, template_opts, template_settings
+from ..prepare.regenerate import add_template_args, template_opts
 from .evaluator import heldout_path
-from .parity import check_template, load_parity_target, resolve_drafter_dir, saved_run_config
+from .parity import chat_prompts, load_parity_target, resolve_drafter_dir, saved_run_config
 from .tau import TargetTexts, real_tau
 
 ENGINE_SCRIPT = Path(__file__).with_name("engine_vllm.py")
@@ -66,14 +66,12 @@ class Disagreement(Exception):
 
 def engine_python(given: str | None, cache_dir: str) -> str:
     """The interpreter that has vLLM (module docstring)."""
-    for candidate in (given, str(Path(cache_dir) / "vllm-venv" / "bin" / "python")):
-        if candidate:
-            if not Path(candidate).is_file():
-                if candidate == given:
-                    raise Unservable(f"--vllm-python: {given} does not exist")
-                continue
-            return candidate
-    return sys.executable
+    if given is not None:
+        if not Path(given).is_file():
+            raise Unservable(f"--vllm-python: {given} does not exist")
+        return given
+    venv = Path(cache_dir) / "vllm-venv" / "bin" / "python"
+    return str(venv) if venv.is_file() else sys.executable
 
 
 def probe(python: str) -> dict:
@@ -216,11 +214,8 @@ def serve_check(run_dir: str, *, prompts: str | None = None, limit: int = 32, ma
     else:
         if tokenizer is None:
             raise Unservable(f"--prompts: chat prompts need the target's tokenizer, and {tdir} has none")
-        opts = template or {"enable_thinking": False, "system_prompt": None}
-        check_template(tokenizer, opts, Path(cfg.data.path) if cfg.data.path else None)
-        settings = template_settings(tokenizer, **opts)
         path = prompt_set(prompts)
-        ids = [torch.tensor(encode_prompt(tokenizer, m, settings)) for m in read_prompts(path)[:limit]]
+        ids, _ = chat_prompts(tokenizer, path, template, Path(cfg.data.path) if cfg.data.path else None, limit)
         where = shown_path(path)
     if not ids:
         raise Unservable(f"{where}: no prompts")
