@@ -396,6 +396,25 @@ def template_opts(args: argparse.Namespace) -> dict:
 SERVER_DEFAULTS = ServerSettings(urls=())
 
 
+LOCAL_ENGINE_DEFAULTS = {"--batch-size": 16, "--device": "auto"}
+"""The in-process engine's own options; their flags default to None so that giving one
+with ``--server`` (which loads no target) can be told apart from leaving it out.
+(``--dtype`` is refused there by ``_check_settings``; ``--threads`` still bounds this
+process's own torch work.)"""
+
+
+def local_engine_options(args: argparse.Namespace) -> dict:
+    return {"--batch-size": args.batch_size, "--device": args.device}
+
+
+def fill_local_defaults(args: argparse.Namespace) -> None:
+    """The in-process engine's defaults, once ``server_settings`` has seen what was given."""
+    for flag, default in LOCAL_ENGINE_DEFAULTS.items():
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def server_settings(args: argparse.Namespace) -> ServerSettings | None:
     """The ``--server`` options as settings (None without ``--server``); the other
     serving options given without it are an error."""
@@ -407,6 +426,11 @@ def server_settings(args: argparse.Namespace) -> ServerSettings | None:
             flag = next(k for k, v in given.items() if v is not None) if args.check is None else "--check"
             raise PrepareError(f"{flag} applies to the serving engine: add --server URL")
         return None
+    if args.check is None:      # --check still runs the target here, beside the server
+        local = next((k for k, v in local_engine_options(args).items() if v is not None), None)
+        if local is not None:
+            raise PrepareError(f"{local} applies to the target loaded here, which --server does not load "
+                               "(the server's own settings decide; --concurrency sets requests in flight)")
     d = SERVER_DEFAULTS
     pick = (lambda v, default: default if v is None else v)
     return ServerSettings(tuple(args.server), args.server_model, pick(args.concurrency, d.concurrency),
@@ -464,11 +488,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="the target's dtype while generating: auto (bfloat16 on CUDA, "
                     "float32 on CPU), float32, bfloat16 (faster on CPUs with bf16 instructions), float16")
-    ap.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
+    ap.add_argument("--batch-size", type=int, help="prompts generated together (16; not with --server)")
     ap.add_argument("--shard-size", type=int, default=64, help="prompts per kill-safe shard")
     ap.add_argument("--limit", type=int, help="only the first N prompts")
     ap.add_argument("--cache-dir", default=".cache", help="where GGUF targets are converted once")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", help="where the target runs (auto; not with --server)")
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     ap.add_argument("--samples-per-prompt", type=int, default=1, metavar="K",
                     help="K sampled rows per prompt (needs --temperature > 0)")
@@ -490,12 +514,13 @@ def main(argv=None) -> int:
                      help="write nothing: print how far the server's greedy text of the first N prompts agrees "
                           "with the in-process engine's (exact-match rate, mean agreed prefix)")
     args = ap.parse_args(argv)
-    sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed, args.dtype)
     t = time.perf_counter()
     try:
         if (args.prompts is None) == (args.self_prompts is None) or (args.check and args.prompts is None):
             raise PrepareError("give --prompts FILE or --self-prompts N (one of them; --check needs --prompts)")
         server = server_settings(args)
+        fill_local_defaults(args)
+        sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed, args.dtype)
         if args.check is not None:
             result = check(args.target, args.prompts, args.check, server, template_opts=template_opts(args),
                            sampling=sampling, batch_size=args.batch_size, cache_dir=args.cache_dir,

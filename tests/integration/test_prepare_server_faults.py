@@ -275,7 +275,7 @@ def test_several_servers_share_the_rows(chat, tmp_path):
     assert rows_of(out) == rows_of(one) and read_metadata(out)["engine"]["servers"] == [a.url, b.url]
 
 
-def test_samples_per_prompt_in_process_and_its_refusals(chat, tmp_path):
+def test_samples_per_prompt_in_process_and_its_refusals(chat, tmp_path, capsys):
     target, prompts = chat
     out = prepare(str(target), prompts, tmp_path / "ds", sampling=SamplingSettings(temperature=0.8, max_new_tokens=10),
                   samples_per_prompt=2, limit=3, batch_size=4, shard_size=4, progress=False, threads=1)
@@ -290,6 +290,15 @@ def test_samples_per_prompt_in_process_and_its_refusals(chat, tmp_path):
         run(chat, tmp_path / "dtype", "http://127.0.0.1:1", sampling=SamplingSettings(dtype="bfloat16"))
     assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(tmp_path / "x"),
                  "--concurrency", "4"]) == 2
+    capsys.readouterr()
+    # The in-process engine's options mean nothing to a server: refused, not ignored.
+    for flag, value in (("--batch-size", "8"), ("--device", "cpu")):
+        assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(tmp_path / "y"),
+                     "--server", "http://127.0.0.1:1", flag, value]) == 2
+        assert capsys.readouterr().err.strip() == (f"error: {flag} applies to the target loaded here, which "
+                                                   "--server does not load (the server's own settings decide; "
+                                                   "--concurrency sets requests in flight)")
+        assert not (tmp_path / "y").exists()
 
 
 def test_check_measures_agreement_with_the_in_process_text(chat, tmp_path, capsys):
