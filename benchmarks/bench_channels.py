@@ -12,8 +12,6 @@ pipelines hold at most two payloads in flight.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,6 +19,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks import harness
 from dflash_actors.runtime.channels import FieldSpec, Ring, RingSpec
 from dflash_actors.runtime.messages import Done, Work
 
@@ -75,7 +74,7 @@ def _echo(conn, n: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--hidden", type=int, default=576)
@@ -102,14 +101,14 @@ def main(argv=None) -> int:
     rtt = _roundtrip(ctx, a.roundtrips)
     gb = a.items * nbytes / 1e9
     ring, queue, memcpy = gb / ring_s, gb / queue_s, gb / memcpy_s
-    print(json.dumps({
+    harness.emit({
         "bench": "channels", "payload_mib": round(nbytes / 2**20, 1), "items": a.items,
         "ring_gbps": round(ring, 3), "queue_gbps": round(queue, 3), "memcpy_gbps": round(memcpy, 3),
         "msg_roundtrip_us": round(rtt, 1),
         "ring_over_queue": round(ring / queue, 2), "ring_over_memcpy": round(ring / memcpy, 3),
         "goals_met": ring >= 4 * queue and ring >= 0.35 * memcpy,
-        "threads_per_process": 1, "cpus": torch.multiprocessing.cpu_count(),
-    }))
+        "threads_per_process": 1,
+    }, a.save)
     return 0
 
 

@@ -13,7 +13,6 @@ interconnects and over the loopback gloo rate measured here.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -23,9 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks import harness
 from dflash_actors.cluster.exchange import Exchange
 from dflash_actors.cluster.link import Link
 from dflash_actors.cluster.node import NodeSpec
+from dflash_actors.runtime.children import free_port
 from dflash_actors.train import costmodel
 from dflash_actors.train.params import GradAccumulators, ParamLayout, WeightStore
 from dflash_actors.train.schedule import Schedule
@@ -46,7 +47,7 @@ def node(rank: int, port: int, out) -> None:
         x = Exchange.allocate(size, sched.batches_per_step, COLS)
         link = Link(NodeSpec(2, rank, "127.0.0.1", port + len(results)), RUNTIME)
         link.join({}, lambda a, b: [])
-        link.serve(x, grads, stats, weights, sched, 0, lambda reason: print(f"# failed: {reason}", flush=True))
+        link.serve(x, grads, stats, weights, sched, 0, lambda reason: harness.say(f"failed: {reason}"))
         g = torch.randn(size)
         times = []
         for s in range(steps + 1):
@@ -72,11 +73,9 @@ def node(rank: int, port: int, out) -> None:
     out.put((rank, results))
 
 
-def main() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def main(argv=None) -> int:
+    args = harness.parser(__doc__).parse_args(argv)
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=node, args=(k, port, q)) for k in range(2)]
@@ -86,7 +85,7 @@ def main() -> int:
     for p in procs:
         p.join(30)
     loopback = got[0]
-    print(f"# loopback: {loopback}", flush=True)
+    harness.say(f"loopback: {loopback}")
     # Per-node rate: the pipeline bench's paper projection (8 GPUs, NVLink, 400 TFLOP/s).
     w, shape = costmodel.Workload(), costmodel.SHAPES["qwen3-8b"]
     best = costmodel.project(shape, w, 400.0)["links"][costmodel.NVLINK.name]["topologies"]["8"]
@@ -96,8 +95,8 @@ def main() -> int:
     links = (*costmodel.INTERCONNECTS, gloo)
     estimate = {f"grad_accum={a}": costmodel.scale_out(shape, w, best["tokens_per_s"], a * drafters, links)
                 for a in (1, 4)}
-    print(json.dumps({"bench": "cluster", "nodes": 2, "backend": "gloo", "loopback": loopback,
-                      "node_split": best["best"], "scale_out": estimate}))
+    harness.emit({"bench": "cluster", "nodes": 2, "backend": "gloo", "loopback": loopback,
+                  "node_split": best["best"], "scale_out": estimate}, args.save)
     return 0
 
 

@@ -22,7 +22,6 @@ Prints one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks import harness
 
 
 def make_dataset(path: Path, n: int, seed: int = 0, shards: int = 8) -> None:
@@ -107,7 +108,7 @@ def naive_pad(ids_lists, mask_lists, pad_id=0):
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--samples", type=int, default=200_000)
     ap.add_argument("--token-budget", type=int, default=65536)
     ap.add_argument("--batches", type=int, default=50, help="batches timed for assembly")
@@ -181,8 +182,7 @@ def main(argv=None) -> dict:
         "rss_mb": round(opened["rss_mb"], 1),
         "rss_mb_small": round(opened_small["rss_mb"], 1),
     }
-    print(json.dumps(result))
-    return result
+    return harness.emit(result, args.save)
 
 
 if __name__ == "__main__":

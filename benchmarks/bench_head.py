@@ -13,21 +13,20 @@ under the loss mask of the SmolLM2 data in ``--data`` (when prepared) and of 8,1
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks import harness
 from dflash_actors.models.head_loss import VocabRows, head_ce, restricted_ce
 
 VOCAB, HIDDEN = 49152, 576
 ROWS = {"anchors_16": 2126, "anchors_64": 8400}
 REPEATS = 3
 SUBSETS = (8192, 16384)
-DATA = Path(__file__).resolve().parents[1] / ".cache" / "smollm2-train"
+DATA = harness.ROOT / ".cache" / "smollm2-train"
 
 
 def run(how: str, h: torch.Tensor, W: torch.Tensor, lab: torch.Tensor, w: torch.Tensor, rows=None):
@@ -60,7 +59,7 @@ def restricted(h, w, W, full_s: float, g: torch.Generator, sizes: dict[str, int]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--data", type=Path, default=DATA)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -82,8 +81,8 @@ def main(argv=None) -> int:
                      "fused_saving": round(1 - best["fused"] / best["checkpointed"], 3),
                      "grad_rel_diff_max": float(f"{diff:.2g}"),
                      "restricted": restricted(h, w, W, best["fused"], g, sizes)}
-        print(f"# {name}: {out[name]}", flush=True)
-    print(json.dumps(out))
+        harness.say(f"{name}: {out[name]}")
+    harness.emit(out, args.save)
     return 0
 
 

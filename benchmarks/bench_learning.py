@@ -12,23 +12,20 @@ real. Prints one JSON line.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
+from benchmarks import harness
+from benchmarks.harness import ROOT
 from dflash_actors.config import load_config
 from dflash_actors.eval.tau import evaluate_drafter
 from dflash_actors.job.reference import train_reference
 from dflash_actors.prepare.regenerate import ensure_target_text
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--epochs", type=int, default=16)
     args = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
@@ -49,8 +46,7 @@ def main(argv=None) -> dict:
            "raw_heldout_simulated_tau": [round(before["simulated_heldout_data"]["tau"], 3),
                                          round(after["simulated_heldout_data"]["tau"], 3)],
            "target_text_entropy_bits": round(after["target_text_entropy_bits"], 2)}
-    print(json.dumps(out))
-    return out
+    return harness.emit(out, args.save)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,11 @@ only the target's ``config.json``; and the traced drafter step per block token, 
 without checkpointed layers, against the whole batch the drafter used to train in one
 pass. One JSON line; nothing here needs a GPU or the weights.
 
-    python -m benchmarks.bench_memplan [--out FILE]
+    python -m benchmarks.bench_memplan [--save NAME]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -22,7 +21,8 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+from benchmarks.harness import ROOT
 
 TARGET_CONFIGS = {
     # Qwen3-8B's published shape.
@@ -78,9 +78,7 @@ def per_block_token() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="also write the line here")
-    args = ap.parse_args(argv)
+    args = harness.parser(__doc__).parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for template, config in TARGET_CONFIGS.items():
@@ -90,10 +88,7 @@ def main(argv=None) -> int:
                 rows.append(plan(template, gib, target, Path(tmp) / "run"))
     result = {"bench": "memplan", "plans": rows, "drafter_8b": per_block_token(),
               "audit_measured_mib_per_block_token": 1.27}
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    harness.emit(result, args.save)
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
 

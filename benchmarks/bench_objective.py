@@ -10,7 +10,6 @@ same loss to float rounding (checked here too). One JSON line.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import harness
+from benchmarks.harness import ROOT
 from dflash_actors.config import load_config
 from dflash_actors.data.batching import Batch, BatchBuffers, assemble, plan_for
 from dflash_actors.data.dataset import open_dataset
@@ -29,7 +30,6 @@ from dflash_actors.models.loss import decay_gamma, dflash_loss
 from dflash_actors.models.target import load_target
 from tests.support.oracle_loss import dflash_loss_per_sequence
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS = 12
 BATCHES = 4
 
@@ -73,15 +73,16 @@ def measure(cache: Path, extra: list[str]) -> dict:
             "sequences_per_batch": [c[0].n_samples for c in cases], "loss_rel_diff_max": float(f"{worst:.2g}")}
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    args = harness.parser(__doc__).parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         out = {"bench": "objective", "runs": RUNS}
         for name, extra in (("default", []), ("hidden_256", ["target.tiny.hidden_size=256",
                                                               "target.tiny.intermediate_size=512"])):
-            print(f"# {name}", flush=True)
+            harness.say(name)
             out[name] = measure(Path(tmp), extra)
-    print(json.dumps(out))
+    harness.emit(out, args.save)
     return 0
 
 

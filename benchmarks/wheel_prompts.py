@@ -44,7 +44,6 @@ hand; the file it writes is committed, so nothing needs the wheels later.
 """
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import json
 import random
@@ -54,6 +53,7 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks import harness
 from benchmarks.external_prompts import write_prompts
 
 PROMPTS = Path(__file__).resolve().parent.parent / "dflash_actors" / "prompts"
@@ -147,7 +147,7 @@ def own_prompts() -> set[str]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("wheels", nargs="+", metavar="WHEEL", help="chatterbot-corpus and/or inspect-evals wheel")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT))
@@ -176,7 +176,7 @@ def main(argv=None):
         picked += texts
     random.Random(args.seed).shuffle(picked)
     write_prompts(args.out, picked)
-    print(json.dumps({"out": args.out, "prompts": len(picked), "per_source": counts}))
+    harness.emit({"bench": "wheel_prompts", "out": args.out, "prompts": len(picked), "per_source": counts}, args.save)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.what == "collect":
         result = collect(Path(args.dir or work), args.started)
-        for line in report_lines(result):
-            print(line)
+        for line in report_lines(result):      # for a person; stdout holds the record only
+            print(line, file=sys.stderr, flush=True)
         emit(result, args.out)
         return 0
     if args.what == "env":

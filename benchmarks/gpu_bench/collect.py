@@ -7,6 +7,8 @@ import re
 import time
 from pathlib import Path
 
+from benchmarks.harness import STAMP
+
 from .common import read_json
 from .launches import last_error
 
@@ -79,7 +81,8 @@ def collect(work: Path, started: float | None = None) -> dict:
             skipped.append(name)
             continue
         data = pytest_counts(work / "cuda_tests.log") if name == "cuda_tests" else read_json(work / f"{name}.json")
-        data.pop("section", None)
+        for key in ("section", *STAMP):     # the final line is stamped once
+            data.pop(key, None)
         rows += [{"section": name, **r} for r in data.pop("plan_vs_measured", None) or []]
         if name == "cuda_tests" and "tests" in data:    # the tests that did not pass, by name
             data["tests"] = {k: v for k, v in data["tests"].items() if v != "PASSED"}

@@ -1,18 +1,17 @@
-"""What every section shares: the shapes measured, the JSON line each prints, timing, memory and device helpers.
+"""What every section shares: the shapes measured, the JSON line each prints (``benchmarks.harness``'s
+protocol: stamped, paths relative, progress on stderr), timing, memory and device helpers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
+from benchmarks import harness
+from benchmarks.harness import ROOT, say  # noqa: F401 - the sections' root and progress
 
 GIB = 2 ** 30
 
@@ -59,10 +58,6 @@ FULL = Sizes(QWEN3_8B, rows=8, seq_len=2048, draft_layers=5, block_size=16, num_
 SMOKE = Sizes(TINY, rows=2, seq_len=64, draft_layers=2, block_size=4, num_anchors=8, warmup=1, runs=2)
 
 
-def say(msg: str) -> None:
-    print(f"# {msg}", file=sys.stderr, flush=True)
-
-
 def sig(x: float | None, digits: int = 4) -> float | None:
     return None if x is None else float(f"{x:.{digits}g}")
 
@@ -78,16 +73,12 @@ def mib_gib(mib: float | None) -> float | None:
 
 def write_json(data: dict, path: str) -> None:
     """``data`` as one line in ``path``, whole (by rename): a reader never sees half of it."""
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(data) + "\n")
-    os.replace(tmp, path)
+    harness.write_text(Path(path), json.dumps(data) + "\n")
 
 
 def emit(result: dict, out: str | None) -> None:
-    """Write ``result`` to ``out`` and print it as one line."""
-    if out:
-        write_json(result, out)
-    print(json.dumps(result), flush=True)
+    """Print ``result`` as one line and write it to ``out``, whole (``harness.emit``)."""
+    harness.emit(result, out)
 
 
 def error_line(e: BaseException) -> str:
