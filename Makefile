@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TOPOLOGY ?= 2-2
 
-.PHONY: setup demo check test slow chaos bench lint clean smollm serve-check
+.PHONY: setup demo check test slow chaos bench lint clean smollm serve-check peers
 
 setup: $(STAMP)
 
@@ -33,6 +33,12 @@ check: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not chaos and not serving" tests
+
+# The peers' own wheels, pinned in benchmarks/peers.py, into .cache/peers with peers.json
+# (version, file, sha256); the parity tests import them from there. A wheel that cannot be
+# fetched is recorded as missing, and its tests skip saying so.
+peers: setup
+	$(PY) -m benchmarks.peers
 
 slow: setup
 	$(PY) -m pytest -q -m "slow" tests

@@ -1,40 +1,34 @@
 """NVIDIA NeMo Automodel's own DFlash 2 training step, runnable here, as a parity reference.
 
-Nothing of NeMo is copied into this project: the NeMo source tree is extracted from a
-git snapshot into a cache directory (``.cache/nemo-automodel-<commit8>/``, ignored by
-git) and NeMo's modules are imported from there *unmodified* (Apache-2.0). This file
-only drives them: it builds NeMo's ``Qwen3DFlash2DraftModel`` and
-``DFlash2TrainerModule`` from our config and weights, forces the anchors a check wants
+Nothing of NeMo is copied into this project: NeMo's modules are imported *unmodified*
+(Apache-2.0) from the pinned ``nemo-automodel`` wheel that ``make peers`` puts in
+``.cache/peers`` (``benchmarks/peers.py``: the version and sha256 live there, the wheel's
+bytes are checked against them, and the import runs from its files extracted beside it,
+each compared with the wheel's). This file only drives them: it builds NeMo's ``Qwen3DFlash2DraftModel``
+and ``DFlash2TrainerModule`` from our config and weights, forces the anchors a check wants
 (by replacing the bound sampling method on the trainer *instance*; NeMo's class is
-untouched), runs forward and backward on CPU in float32 with the ``sdpa`` mask path,
-and returns the loss, gradients in the published key names, and metrics.
-
-Where NeMo comes from: ``NEMO_AUTOMODEL_SRC`` (an extracted tree holding
-``nemo_automodel/``), else ``git archive`` of ``NEMO_AUTOMODEL_COMMIT`` (default
-``HEAD``) from the bare repo ``NEMO_AUTOMODEL_GIT`` (default
-``/work/.mirror/NVIDIA-NeMo+Automodel/repo``). Without either, ``nemo_root()`` and
-``load_nemo()`` return ``None`` and callers skip.
+untouched), runs forward and backward on CPU in float32 with the ``sdpa`` mask path, and
+returns the loss, gradients in the published key names, and metrics. Without the wheel
+``load_nemo()`` raises ``peers.PeerUnavailable`` with the reason, and callers skip.
 
 Import mechanics: NeMo's package ``__init__`` files import most of the framework
-(datasets, loss registries, distributed, ...). They are bypassed by registering empty
-package modules with the right ``__path__`` for ``nemo_automodel``,
-``nemo_automodel.components`` and the sub-packages on the import path; the leaf modules
-(``core``, ``dflash2_core``, ``draft_qwen3``, ``draft_qwen3_dflash2``, ``target``,
-``attention/dflash_mask``, ``loss/dllm_loss``, ``datasets/llm/packed_sequence``) are then
-imported normally with this venv's torch and transformers.
+(datasets, distributed, model registries, and patches to transformers). They are bypassed
+by registering empty package modules whose ``__path__`` points into those files for
+``nemo_automodel``, ``nemo_automodel.components`` and the sub-packages on the import
+path; the leaf modules (``core``, ``dflash2_core``, ``draft_qwen3``,
+``draft_qwen3_dflash2``, ``target``, ``attention/dflash_mask``, ``loss/dllm_loss``,
+``datasets/llm/packed_sequence``) are then imported normally with this venv's torch and
+transformers. ``datasets`` is the one import that may be stubbed (``peers.importing``),
+and only where HuggingFace ``datasets`` is not installed: ``packed_sequence.py`` imports
+``Dataset`` and ``DatasetDict`` at module level and nothing on the training step uses
+them. No NeMo module is stubbed.
 
-Stubs: none are installed when HuggingFace ``datasets`` is importable (the case in this
-venv). Only if it is missing, a stub ``datasets`` module carrying two empty placeholder
-classes ``Dataset`` and ``DatasetDict`` is registered: NeMo's
-``datasets/llm/packed_sequence.py:18`` imports those names at module level (pulled in by
-``speculative/dflash/target.py:32`` -> ``draft_qwen3.py:50``), and nothing on the
-training step uses them. No NeMo module is stubbed.
-
-NeMo's DFlash 2 semantics, read from snapshot 36044ad3 (paths under
+NeMo's DFlash 2 semantics, read from git snapshot 36044ad3; the line numbers are that
+snapshot's (in the 0.7.0 wheel they have moved, the functions have not). Paths under
 ``nemo_automodel/components/``; ``core`` = ``speculative/dflash/core.py``, ``d2core`` =
 ``speculative/dflash/dflash2_core.py``, ``dq3`` = ``speculative/dflash/draft_qwen3.py``,
 ``dq2`` = ``speculative/dflash/draft_qwen3_dflash2.py``, ``mask`` =
-``attention/dflash_mask.py``, ``dllm`` = ``loss/dllm_loss.py``). ``m`` is the loss mask,
+``attention/dflash_mask.py``, ``dllm`` = ``loss/dllm_loss.py``. ``m`` is the loss mask,
 ``L`` the sequence length, ``bs`` the block size, ``a`` an anchor, ``k`` a block slot.
 
 Anchors (``core:230-286``)
@@ -141,22 +135,15 @@ Run ``python -m benchmarks.nemo_dflash2`` for a tiny random smoke step (one JSON
 from __future__ import annotations
 
 import copy
-import io
-import json
-import os
-import subprocess
 import sys
-import tarfile
 import types
 import warnings
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch import nn
 
-DEFAULT_GIT = "/work/.mirror/NVIDIA-NeMo+Automodel/repo"
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness, peers
 
 # Packages whose ``__init__`` is bypassed (registered empty, with ``__path__``).
 _PACKAGES = (
@@ -184,101 +171,40 @@ METRIC_NAMES = (
 )
 
 
-# --------------------------------------------------------------------------- source
-
-
-def _git(git_dir: str, *args: str, binary: bool = False):
-    out = subprocess.run(["git", f"--git-dir={git_dir}", *args], cwd=git_dir, capture_output=True, check=True)
-    return out.stdout if binary else out.stdout.decode().strip()
-
-
-@lru_cache(maxsize=None)
-def nemo_root() -> Path | None:
-    """The directory holding an extracted ``nemo_automodel/`` tree, or ``None``.
-
-    ``NEMO_AUTOMODEL_SRC`` wins when set; otherwise the snapshot ``NEMO_AUTOMODEL_COMMIT``
-    (default ``HEAD``) of the bare repo ``NEMO_AUTOMODEL_GIT`` is ``git archive``d once into
-    ``.cache/nemo-automodel-<commit8>/`` (``NEMO_AUTOMODEL_CACHE`` overrides ``.cache``).
-    """
-    src = os.environ.get("NEMO_AUTOMODEL_SRC")
-    if src:
-        root = Path(src).expanduser().resolve()
-        return root if (root / "nemo_automodel").is_dir() else None
-    git_dir = os.environ.get("NEMO_AUTOMODEL_GIT", DEFAULT_GIT)
-    if not Path(git_dir).is_dir():
-        return None
-    try:
-        commit = _git(git_dir, "rev-parse", "--verify", os.environ.get("NEMO_AUTOMODEL_COMMIT", "HEAD") + "^{commit}")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    cache = Path(os.environ.get("NEMO_AUTOMODEL_CACHE", PROJECT_ROOT / ".cache"))
-    root = cache / f"nemo-automodel-{commit[:8]}"
-    if (root / ".complete").is_file():
-        return root
-    tar_bytes = _git(git_dir, "archive", "--format=tar", commit, "LICENSE", "nemo_automodel", binary=True)
-    tmp = cache / f".nemo-automodel-{commit[:8]}.{os.getpid()}.tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
-        tar.extractall(tmp, filter="data")
-    (tmp / ".complete").write_text(commit + "\n")
-    try:
-        tmp.rename(root)
-    except OSError:  # another process finished first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root if (root / ".complete").is_file() else None
-
-
-def _commit_of(root: Path) -> str | None:
-    stamp = root / ".complete"
-    return stamp.read_text().strip() if stamp.is_file() else None
-
-
 # --------------------------------------------------------------------------- import
 
 
 @lru_cache(maxsize=None)
-def load_nemo() -> types.SimpleNamespace | None:
-    """Import NeMo's DFlash 2 modules unmodified; ``None`` when no NeMo tree is available."""
-    root = nemo_root()
-    if root is None:
-        return None
+def load_nemo() -> types.SimpleNamespace:
+    """Import NeMo's DFlash 2 modules unmodified from the pinned wheel (``peers.PeerUnavailable`` without it)."""
     import importlib
-    import importlib.util
 
-    stubs = []
-    if importlib.util.find_spec("datasets") is None and "datasets" not in sys.modules:
-        stub = types.ModuleType("datasets")
-        stub.__doc__ = "stub registered by benchmarks/nemo_dflash2.py (HF datasets is not installed)"
-        stub.Dataset = type("Dataset", (), {})
-        stub.DatasetDict = type("DatasetDict", (), {})
-        sys.modules["datasets"] = stub
-        stubs.append("datasets")
-
-    for name in _PACKAGES:
-        path = root.joinpath(*name.split("."))
-        have = sys.modules.get(name)
-        if have is not None:
-            paths = [Path(p).resolve() for p in getattr(have, "__path__", [])]
-            if path.resolve() not in paths:
-                raise RuntimeError(f"{name} is already imported from {paths}, not from {path}")
-            continue
-        pkg = types.ModuleType(name)
-        pkg.__path__ = [str(path)]
-        pkg.__package__ = name
-        pkg.__file__ = None
-        sys.modules[name] = pkg
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, pkg)
-
-    mods = {name.rsplit(".", 1)[-1]: importlib.import_module(name) for name in _LEAVES}
+    nemo = peers.peer("nemo-automodel")
+    with peers.importing(nemo, stubs=("datasets",)) as imported:
+        for name in _PACKAGES:
+            path = str(nemo.root.joinpath(*name.split(".")))
+            have = sys.modules.get(name)
+            if have is not None:
+                paths = list(getattr(have, "__path__", []))
+                if path not in paths:
+                    raise RuntimeError(f"{name} is already imported from {paths}, not from {path}")
+                continue
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [path]
+            pkg.__package__ = name
+            pkg.__file__ = None
+            sys.modules[name] = pkg
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(sys.modules[parent], child, pkg)
+        mods = {name.rsplit(".", 1)[-1]: importlib.import_module(name) for name in _LEAVES}
+    for m in mods.values():
+        if not m.__file__.startswith(str(nemo.root)):
+            raise RuntimeError(f"{m.__name__} was imported from {m.__file__}, not from {nemo.root.name}")
     core, d2core, dq2 = mods["core"], mods["dflash2_core"], mods["draft_qwen3_dflash2"]
     return types.SimpleNamespace(
-        root=root,
-        commit=_commit_of(root),
-        stubs=stubs,
+        peer=imported.peer,
+        record=imported.record(),
         modules=mods,
         DFlash2TrainerModule=d2core.DFlash2TrainerModule,
         DFlash2StepMetrics=d2core.DFlash2StepMetrics,
@@ -294,13 +220,6 @@ def load_nemo() -> types.SimpleNamespace | None:
         DFlashDecayLoss=mods["dllm_loss"].DFlashDecayLoss,
         create_dflash_sdpa_mask=mods["dflash_mask"].create_dflash_sdpa_mask,
     )
-
-
-def _require() -> types.SimpleNamespace:
-    ns = load_nemo()
-    if ns is None:
-        raise RuntimeError("NeMo Automodel source not found: set NEMO_AUTOMODEL_SRC or NEMO_AUTOMODEL_GIT")
-    return ns
 
 
 # --------------------------------------------------------------------------- config / weights
@@ -347,7 +266,7 @@ def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], what: str) -
 
 def build_draft(config, state: dict[str, torch.Tensor] | None = None, attn: str = "sdpa") -> nn.Module:
     """NeMo's ``Qwen3DFlash2DraftModel`` from ``config`` in float32 on CPU, loaded strictly from ``state``."""
-    ns = _require()
+    ns = load_nemo()
     draft = ns.Qwen3DFlash2DraftModel(nemo_config(config, attn)).to(torch.float32)
     if state is not None:
         _load_strict(draft, state, "Qwen3DFlash2DraftModel")
@@ -406,7 +325,7 @@ def nemo_step(
     (floats); ``hidden`` ``[N, bs, H]`` (the draft's normed output) and ``logits``
     ``[N, bs, V]``, both detached; ``anchors``/``keep`` as used; ``nemo_samplable``.
     """
-    ns = _require()
+    ns = load_nemo()
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, L], got {tuple(input_ids.shape)}")
     draft = build_draft(config, state)
@@ -499,7 +418,7 @@ def nemo_step(
         "keep": used["keep"][0].tolist(),
         "nemo_samplable": samplable if samplable is not None else nemo_samplable(
             used["anchors"][0].tolist(), loss_mask, bs),
-        "nemo_commit": ns.commit,
+        "peer": ns.record,
     }
     for name in METRIC_NAMES:
         result[name] = float(getattr(out, name))
@@ -523,7 +442,7 @@ def nemo_walk(
     last verified token of each block. With ``return_candidates`` also returns the
     ``[N, D, top_k]`` candidate ids.
     """
-    ns = _require()
+    ns = load_nemo()
     dc = nemo_config(config).dflash_config
     selector = ns.CandidateSelector(
         vocab_size=int(config.vocab_size),
@@ -617,7 +536,8 @@ def tiny_config():
     return cfg
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    args = harness.parser(__doc__).parse_args(argv)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     cfg = tiny_config()
@@ -649,8 +569,8 @@ def main() -> None:
         "fc.weight", "layers.0.self_attn.q_proj.weight", "layers.1.attention_conv.base_kernel",
         "layers.1.mlp_conv.kernel_projection.weight", "candidate_selector.successor_codebook",
         "candidate_selector.predecessor_codebook", "candidate_selector.hidden_projection.weight")}
-    print(json.dumps({
-        "nemo_commit": res["nemo_commit"],
+    harness.emit({
+        "bench": "nemo_dflash2", **res["peer"],
         "loss": round(res["loss"], 6), "base_loss": round(res["base_loss"], 6),
         "selector_loss": round(res["selector_loss"], 6),
         **{k: round(res[k], 6) for k in METRIC_NAMES},
@@ -658,7 +578,7 @@ def main() -> None:
         "n_grads": len(res["grads"]), "no_grad": res["no_grad"], "grad_norms": grad_norms,
         "hidden_shape": list(res["hidden"].shape), "walk_path": path.view(n, -1).tolist(),
         "sampler_vs_forced_max_abs_diff": check,
-    }))
+    }, args.save)
 
 
 if __name__ == "__main__":

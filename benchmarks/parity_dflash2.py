@@ -3,14 +3,14 @@
     python -m benchmarks.parity_dflash2          # one JSON line; exit 1 when they differ
 
 NeMo's ``DFlash2TrainerModule`` and ``Qwen3DFlash2DraftModel`` are imported unmodified from
-a snapshot of the public repository (``benchmarks.nemo_dflash2`` says where it is looked
-for and how its package ``__init__``s are bypassed); without one the check reports
-``skipped``. Both sides get the same random drafter (its identity start broken: conv taps,
-dynamic projections and codebooks all random), the same frozen embedding and head, one
-sequence with its target features, and the same anchors: ones both trainers could draw
-(``m[a] = m[a+1] = 1`` here, ``a <= L - B`` there). The project runs with NeMo's selector
-semantics (``train.selector_norm: own``, ``selector_misses: skip``, ``selector_grad:
-full``, weight 1) and compares:
+the pinned ``nemo-automodel`` wheel (``make peers``; ``benchmarks.nemo_dflash2`` says how
+its package ``__init__``s are bypassed), and the line names that wheel and its sha256;
+without the wheel the check reports ``skipped`` with the reason. Both sides get the same
+random drafter (its identity start broken: conv taps, dynamic projections and codebooks all
+random), the same frozen embedding and head, one sequence with its target features, and the
+same anchors: ones both trainers could draw (``m[a] = m[a+1] = 1`` here, ``a <= L - B``
+there). The project runs with NeMo's selector semantics (``train.selector_norm: own``,
+``selector_misses: skip``, ``selector_grad: full``, weight 1) and compares:
 
 * the loss (block term plus selector term) and the gradient of every parameter, by name;
 * the selector path's accuracy and acceptance, the backbone's beside it and the candidate
@@ -23,14 +23,15 @@ Two cases: a mask with holes inside blocks (loss and gradients only) and one wit
 
 from __future__ import annotations
 
-import json
 import sys
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from benchmarks import harness
 from benchmarks import nemo_dflash2 as nemo
+from benchmarks.peers import PeerUnavailable
 from dflash_actors.data.batching import Batch
 from dflash_actors.models.dflash2 import SelectorObjective
 from dflash_actors.models.drafter import DFlashDrafter
@@ -126,17 +127,18 @@ def case(holes: bool, seed: int = 0, objective: SelectorObjective = NEMO_SEMANTI
     return out
 
 
-def main() -> int:
-    loaded = nemo.load_nemo()
-    if loaded is None:
-        print(json.dumps({"bench": "parity_dflash2", "skipped": "no NeMo Automodel snapshot "
-                          "(NEMO_AUTOMODEL_SRC or NEMO_AUTOMODEL_GIT)"}))
+def main(argv=None) -> int:
+    args = harness.parser(__doc__).parse_args(argv)
+    try:
+        loaded = nemo.load_nemo()
+    except PeerUnavailable as e:
+        harness.skipped("parity_dflash2", str(e), args.save)
         return 0
     torch.set_num_threads(1)
     cases = [case(holes=True), case(holes=False)]
-    line = {"bench": "parity_dflash2", "nemo_commit": loaded.commit, "torch": torch.__version__,
+    line = {"bench": "parity_dflash2", **loaded.record, "torch": torch.__version__,
             "ok": all(c["ok"] for c in cases), "cases": cases}
-    print(json.dumps(line))
+    harness.emit(line, args.save)
     return 0 if line["ok"] else 1
 
 

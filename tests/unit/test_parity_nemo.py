@@ -1,18 +1,22 @@
 """The DFlash2 step equals NeMo Automodel's own (``benchmarks/parity_dflash2.py``): its
-``DFlash2TrainerModule`` imported unmodified from a snapshot of the public repository.
-Skipped where no snapshot is reachable (``benchmarks.nemo_dflash2.nemo_root``)."""
+``DFlash2TrainerModule`` imported unmodified from the pinned ``nemo-automodel`` wheel that
+``make peers`` fetches. Skipped only where that wheel could not be fetched, with the reason."""
 
 import pytest
 
 from benchmarks import nemo_dflash2 as nemo
-
-pytestmark = pytest.mark.skipif(nemo.nemo_root() is None, reason="no NeMo Automodel snapshot here")
+from benchmarks import peers
 
 
 @pytest.fixture(scope="module")
 def parity():
+    try:
+        loaded = nemo.load_nemo()
+    except peers.PeerUnavailable as e:
+        pytest.skip(str(e))
     from benchmarks import parity_dflash2
-    assert nemo.load_nemo() is not None
+    assert loaded.record["peer"] == "nemo-automodel " + peers.PINS["nemo-automodel"].version
+    assert loaded.record["sha256"] == peers.PINS["nemo-automodel"].sha256 and not loaded.record["stubbed"]
     return parity_dflash2
 
 
