@@ -69,6 +69,7 @@ from ..train.checkpoint import (
     MANIFEST,
     STATE_FILE,
     CheckpointError,
+    ForeignFileError,
     ResumeError,
     check_resumable,
     drafter_change,
@@ -350,7 +351,10 @@ class Job:
                                     result.restarts, rollbacks)
             rollbacks += 1
             model = build_drafter(self.cfg, self.target)
-            start, _ = checkpoint_start(self.cfg, model, self.run_dir)
+            try:
+                start, _ = checkpoint_start(self.cfg, model, self.run_dir)
+            except ForeignFileError as e:   # planted while we ran: refused, nothing in it run
+                return self._finish(2, str(e), result.restarts, rollbacks)
             self.start = start or Start(model, 0)
             to = start.checkpoint.name if start else "start"
             with EventLog(self.run_dir / "events.log") as events:   # the supervisor's log, closed by now

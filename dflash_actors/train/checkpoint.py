@@ -14,18 +14,29 @@ Completeness is not integrity: bits flip on disks and in copies. ``checkpoint_pr
 checks a checkpoint against its manifest, and ``latest_checkpoint`` returns the newest
 one that passes; a resume skips the others, saying why. Checkpoints written before
 manifests existed are accepted unchecked (``has_manifest`` tells them apart).
+
+A manifest proves a file intact, not that this trainer wrote it: whoever can write a run
+directory can rewrite its manifest too. So ``trainer_state.pt`` is read as data, never
+run: its pickle is first read without unpickling, and one that names anything beyond
+``STATE_GLOBALS`` (what tensors, numbers, strings, lists and dicts pickle to) is refused
+with ``ForeignFileError``; the rest is unpickled by torch's weights-only unpickler, which
+builds only tensors and plain containers. A foreign file is not damage: a resume stops
+on it rather than passing over it to an older checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickletools
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 import torch
 
@@ -40,6 +51,15 @@ MANIFEST = "manifest.json"
 HASH = "sha256"
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 _TMP_DIR = re.compile(r"^\.tmp-step-\d+-(\d+)$")
+
+STATE_GLOBALS = frozenset({"torch._utils._rebuild_tensor_v2", "torch.FloatStorage", "collections.OrderedDict"})
+"""Every global that ``torch.save`` names in the pickle of a trainer state: float32
+tensors (the optimizer moments; an ``OrderedDict`` is part of how a tensor pickles);
+everything else in it is ints, floats, strings, None, lists, tuples and dicts, which
+need none. ``trainer_state`` writes nothing more; a test holds it to that."""
+_LEGACY_PICKLES = 5
+"""torch's pre-zip format opens with five pickles (magic number, protocol, system info,
+the object, its storage keys), then raw storage bytes."""
 
 # Keys that may change between a run and its resume without changing the math.
 RESUME_FREE = ("runtime.", "topology.num_targets", "topology.target_tp", "topology.target_devices",
@@ -56,6 +76,11 @@ class ResumeError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be read; the message names it."""
+
+
+class ForeignFileError(ValueError):
+    """A checkpoint file whose pickle names code a trainer state never holds: written
+    by someone else, not damaged. Nothing in it has run; the message names the file."""
 
 
 def _digest(path: Path) -> str:
@@ -208,25 +233,84 @@ def newest_usable(run_dir: str | Path, load: Callable[[Path], Any]) -> Found:
     ``load`` may raise anything a damaged file makes a loader raise (pickle, zip,
     safetensors and JSON errors have no common base); that checkpoint is then passed
     over, the error's first line recorded. A checkpoint without a manifest can only be
-    judged this way."""
+    judged this way. ``ForeignFileError`` is not damage: it propagates, so that a
+    planted file stops the resume instead of being stepped around."""
     skipped = []
     for p, unchecked_ok in _newest_first(run_dir):
         why = checkpoint_problem(p, unchecked_ok)
         if why is None:
             try:
                 return Found(p, load(p), skipped)
+            except ForeignFileError:
+                raise
             except Exception as e:  # noqa: BLE001 - see the docstring
                 why = first_line(e)
         skipped.append((p, why))
     return Found(None, None, skipped)
 
 
+def _pickles(f: IO[bytes]) -> Iterator[IO[bytes]]:
+    """The pickle streams ``torch.load`` would unpickle from ``f``: each ``.pkl`` record
+    of a zip archive (``torch.save``'s format, whose pickle is ``data.pkl``), else the
+    file itself, read as torch's older format."""
+    if zipfile.is_zipfile(f):
+        with zipfile.ZipFile(f) as z:
+            for info in z.infolist():
+                if info.filename.endswith(".pkl"):
+                    yield io.BytesIO(z.read(info))      # checks the record's CRC-32 too
+        return
+    f.seek(0)
+    for _ in range(_LEGACY_PICKLES):
+        yield f
+
+
+def _named(stream: IO[bytes]) -> Iterator[str]:
+    """Every global one pickle names, in order, read with ``pickletools`` (which unpickles
+    nothing). ``torch.save`` (protocol 2) names globals with ``GLOBAL`` only; any other
+    way of naming one is yielded too, by its module and name where they can be seen."""
+    strings: list[str] = []
+    for op, arg, _ in pickletools.genops(stream):
+        if op.name in ("GLOBAL", "INST"):
+            yield arg.replace(" ", ".")
+        elif op.name == "STACK_GLOBAL":
+            yield ".".join(strings[-2:]) if len(strings) >= 2 else op.name
+        elif op.name in ("OBJ", "EXT1", "EXT2", "EXT4"):
+            yield op.name
+        elif isinstance(arg, str):
+            strings.append(arg)
+
+
+def foreign_globals(path: Path, allowed: frozenset[str] = STATE_GLOBALS) -> list[str]:
+    """The globals beyond ``allowed`` that the pickles of ``path`` name, sorted; empty
+    for a file of this trainer's. Reading stops where a damaged pickle stops parsing
+    (what came before still counts); damage itself is the loader's to report.
+    OSError and zip errors propagate."""
+    found: set[str] = set()
+    with open(path, "rb") as f:
+        for stream in _pickles(f):
+            try:
+                found.update(n for n in _named(stream) if n not in allowed)
+            except (ValueError, EOFError, UnicodeDecodeError):   # not a pickle (any more)
+                break
+    return sorted(found)
+
+
 def load_trainer_state(ckpt: Path) -> dict:
+    """The trainer state in ``ckpt``: ForeignFileError if its pickle names anything
+    beyond ``STATE_GLOBALS`` (nothing of it is run), CheckpointError if it cannot be
+    read. Unpickled with ``weights_only=True`` as well, so a pickle that the check
+    above misreads still runs no code."""
     path = Path(ckpt) / STATE_FILE
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        foreign = foreign_globals(path)
+        if not foreign:
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a damaged file raises RuntimeError, UnpicklingError, EOFError, ...
         raise CheckpointError(f"{path}: cannot be loaded ({first_line(e)})") from None
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" (+{len(foreign) - 3} more)" if len(foreign) > 3 else "")
+        raise ForeignFileError(f"{path}: refused: its pickle names {shown}, which no trainer state holds "
+                               "(a file this trainer did not write; nothing in it was run)")
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a trainer state")
     return state
