@@ -214,7 +214,11 @@ def drafter_proposer(drafter, target):
 
 @dataclass
 class Generation:
-    """One speculative generation, counted as z-lab's benchmark counts it."""
+    """One speculative generation, counted as z-lab's repository loop of April 2026 counts
+    it, which is also what vLLM's acceptance counters give (``serve-check``). z-lab's 0.1.0
+    release verifies a shorter last block near ``max_new_tokens`` and counts only the
+    tokens that fit; the tokens are the same (``tests/unit/test_parity_zlab.py`` pins both
+    relations), only the last step's count differs."""
 
     ids: torch.Tensor
     """Prompt and output, cut at ``P + max_new_tokens`` and after the first stop token."""
