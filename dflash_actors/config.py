@@ -400,15 +400,18 @@ class EvalConfig:
     real_prompts: int = checked(0, at_least(0))
     """Also run real speculative decoding on this many held-out prompts."""
     max_new_tokens: int = checked(64, at_least(1))
-    device: str = "cpu"
+    device: str = "auto"
+    """Where the evaluator runs: ``cpu``, ``cuda:N``, or auto: the memory plan's choice, as
+    for the optimizer: a GPU with room for a whole target beside what is there (it holds
+    one while it computes the held-out features at its start), else the host."""
     plateau: int = checked(0, at_least(0))
     """Stop training (done, exit 0) once the held-out walk tau has not risen beyond its 95%
     interval over this many evaluations: the newest against the one that many before,
     paired over the held-out texts (``evaluator.plateau``); 0 = train every step."""
 
     def __post_init__(self):
-        if self.device != "cpu" and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
-            raise ConfigError(f"device: 'cpu' or 'cuda:N' (got {self.device!r})")
+        if self.device not in ("auto", "cpu") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ConfigError(f"device: 'cpu' or 'cuda:N', or 'auto' (got {self.device!r})")
         if self.plateau and not self.every:
             raise ConfigError("eval.plateau: needs eval.every, the evaluations it compares")
 

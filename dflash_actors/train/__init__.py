@@ -4,5 +4,6 @@ the one owner of batch-id arithmetic (``schedule``), and a run sized to a number
 (``params``); the drafter's step in micro-batches (``drafter_step``); the step math
 (``optim``); metric tables (``metrics``); checkpoints (``checkpoint``); the feature cache
 (``feature_cache``); simulated compute (``simulate``); the cost model (``costmodel``); and
-the memory plan (``memplan``, from ``memtrace``'s traces).
+the memory plan (``memplan``: what each process holds, ``memparts``, from ``memtrace``'s
+traces, kept by ``tracecache``).
 """

@@ -1,4 +1,6 @@
-"""What the drafter's step and the target's forward hold on a device, traced at any size.
+"""What the drafter's step, the target's forward and the optimizer's step hold on a
+device, traced at any size: each is the project's own code (``loss.blocks_loss``,
+``TargetModel.features``, ``optim.reduce_and_step``), never a copy of it.
 
 The real code runs under ``FakeTensorMode``: every tensor carries its shape, dtype and
 device but no memory, so a step at an 8B target's shapes traces in about a second on
@@ -9,13 +11,16 @@ hooks give what the forward keeps for the backward. (PyTorch's own ``MemTracker`
 the first and more, but it hooks every parameter for gradients, which a frozen target
 or head refuses.)
 
-A GPU cannot be faked on a CPU-only build, so a CUDA step is traced on the CPU with what
-differs replaced: bf16 autocast as CUDA's (linears and matmuls in bf16; the RMSNorms
+A CPU-only build makes fake CUDA tensors but runs no CUDA kernel on them (a random
+init, a move to the device, flex attention), so a drafter's CUDA step is traced on the
+CPU with what differs replaced: bf16 autocast as CUDA's (linears and matmuls in bf16; the RMSNorms
 cast to fp32 themselves), and flex attention, which has no CPU backward, by a stand-in
 that keeps what flex's autograd keeps (query, key, value, output and the row
 log-sum-exp) and allocates what its backward does. Kernels' own workspaces and the
 caching allocator's rounding are not traced: the plan adds a margin for them
-(``train.memplan``).
+(``train.memplan``). The optimizer's step needs none of those: it runs on fake tensors
+made on its own device's kind, so AdamW takes the path torch takes there (multi-tensor
+on a GPU).
 """
 
 from __future__ import annotations
@@ -35,16 +40,26 @@ from ..models import blocks as BL
 from ..models import loss as L
 from ..models.dflash2 import SelectorObjective
 from ..models.drafter import DFlashDrafter, drafter_config
+from . import optim
+
+TRACE_GAMMA = 7.0
+"""The loss's position decay in a traced step: any value, it weighs slots but shapes nothing."""
+TRACED_SCALAR = 1.0
+"""What the optimizer's step reads for the values a trace has not (the gradient's norm,
+AdamW's step count): finite, so the step takes its update path, the one that allocates."""
 
 
 class Live(TorchDispatchMode):
     """Bytes of the storages ops create while it is active, now and at the peak. Storages
-    passed to ``known`` exist already and are not counted, nor are views of them."""
+    passed to ``known`` exist already and are not counted, nor are views of them.
+    ``scalar``: what a tensor's value reads as (``.item()``), which a fake tensor has
+    not; None: reading one is an error, as it is under ``FakeTensorMode`` alone."""
 
-    def __init__(self):
+    def __init__(self, scalar: float | None = None):
         super().__init__()
         self.sizes: dict[int, int] = {}
         self.now = self.peak = 0
+        self.scalar = scalar
 
     def known(self, tensors) -> None:
         for t in tensors:
@@ -66,6 +81,8 @@ class Live(TorchDispatchMode):
         self.now -= self.sizes.pop(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.scalar is not None and func is torch.ops.aten._local_scalar_dense.default:
+            return self.scalar
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -172,17 +189,13 @@ def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_l
         attention = BL.attention_as(flex_stand_in) if cuda else contextlib.nullcontext()
         with attention, live:
             with saved_bytes(start, saved):
-                value, _ = L.blocks_loss(drafter, head, features, blocks, 7.0,
+                value, _ = L.blocks_loss(drafter, head, features, blocks, TRACE_GAMMA,
                                          compute_dtype="bfloat16" if autocast_bf16 else "float32",
                                          head_loss=head_loss, loss=loss, checkpoint_layers=checkpoint_layers,
                                          selector=None if dflash2 is None else SelectorObjective())
             value.backward()
             del value
     return StepTrace(saved[0], live.peak)
-
-
-def __init__(self, embed_tokens, lm_head):
-        self.embed_tokens, self.lm_head = embed_tokens, lm_head
 
 
 def probe_config(target_config, feature_layers: int):
@@ -243,32 +256,44 @@ def drafter_numel(target_config, layers: int, block_size: int, feature_layers: i
         return sum(p.numel() for p in d.parameters())
 
 
-def trace_optimizer_step(target_config, *, layers: int, block_size: int, feature_layers: int,
-                         drafters: int, dflash2: dict | None = None) -> StepTrace:
-    """The optimizer actor's step (``optim.reduce_and_step``: the drafters' sums read one
-    at a time from host memory, clip, AdamW) for a drafter of this shape, with AdamW's
-    multi-tensor path as on a GPU; moments are created by the step, so they are counted.
-    The step's own tensor operations, in its order: its checks of the norm read a value,
-    which a trace has not."""
+@contextlib.contextmanager
+def fakes_take_multi_tensor_paths():
+    """While inside, torch's choice between its multi-tensor kernels (AdamW's foreach,
+    the clip's norms) and the one-tensor-at-a-time loop sees a fake tensor as the tensor
+    it stands for. torch takes those kernels only for tensors of exactly its own types,
+    and a fake is a subclass: without this, a trace would take the loop, whose
+    temporaries are one parameter's, where a GPU run takes foreach's, the whole model's."""
+    from torch.optim import optimizer as torch_optimizer
+    from torch.utils import _foreach_utils
+    kinds = (torch_optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types)
+    for k in kinds:
+        k.append(torch._subclasses.fake_tensor.FakeTensor)
+    try:
+        yield
+    finally:
+        for k in kinds:
+            k.remove(torch._subclasses.fake_tensor.FakeTensor)
+
+
+def trace_optimizer_step(target_config, *, layers: int, block_size: int, feature_layers: int, drafters: int,
+                         train, device: str = "cuda", dflash2: dict | None = None) -> StepTrace:
+    """The optimizer actor's own step for a drafter of this shape on a ``device`` of that
+    kind: ``optim.build_optimizer`` and ``build_scheduler`` from ``train`` (the run's
+    ``TrainConfig``), then ``optim.reduce_and_step`` over ``drafters`` gradient sums in
+    host memory, read one at a time, as the actor reads them. AdamW takes the path torch
+    picks for that device (multi-tensor on a GPU); its moments are created by the step,
+    so they are counted, as the gradient sum and the clip's temporaries are."""
     V = int(target_config.vocab_size)
     with torch._subclasses.fake_tensor.FakeTensorMode():
-        d = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                         "trace", V, dflash2))
-        params = list(d.parameters())
-        shards = [[torch.empty_like(p) for p in params] for _ in range(drafters)]
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        live = Live()
-        live.known([*params, *d.buffers(), *(g for s in shards for g in s)])
-        with live:
-            grads = [g.to(p.device, copy=True) for p, g in zip(params, shards[0])]
-            for shard in shards[1:]:
-                for g, s in zip(grads, shard):
-                    g.add_(s.to(g.device))
-            for p, g in zip(params, grads):
-                p.grad = g.div_(drafters)
-            del grads
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
+        shell = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
+                                             "trace", V, dflash2))
+        # Made on the device, not moved there: a CPU build fakes a CUDA tensor, not a copy to one.
+        params = [torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device)) for p in shell.parameters()]
+        shards = [[torch.empty(p.shape, dtype=p.dtype) for p in params] for _ in range(drafters)]
+        opt = optim.build_optimizer(params, train)
+        sched = optim.build_scheduler(opt, train, 1)
+        live = Live(scalar=TRACED_SCALAR)
+        live.known([*params, *(g for s in shards for g in s)])
+        with fakes_take_multi_tensor_paths(), live:
+            optim.reduce_and_step(params, iter(shards), opt, sched, drafters, train.grad_clip)
     return StepTrace(0, live.peak)

@@ -67,7 +67,9 @@ def reduce_and_step(params: list[torch.Tensor], shard_grads: Iterable[Sequence[t
             g.add_(s.to(g.device))
     for p, g in zip(params, grads):
         p.grad = g.div_(batches)
-    norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    # .item(), not float(): the memory plan traces this step on fake CUDA tensors, whose
+    # float() needs a CUDA device guard that a CPU build lacks (train.memtrace).
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
     if not (math.isfinite(norm) and math.isfinite(loss)):
         skip_step(opt, sched, params)
         return norm if not math.isfinite(norm) else math.nan

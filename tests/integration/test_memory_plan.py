@@ -5,15 +5,21 @@ stopping a run before anything starts."""
 import json
 
 import pytest
+from transformers import Qwen3Config
 
 import launch
 from benchmarks.bench_memplan import TARGET_CONFIGS as TARGETS
 from tests.support.pipeline import ROOT, SMALL
 
+QWEN3_32B = dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
+                 head_dim=128, num_hidden_layers=64, vocab_size=151936, max_position_embeddings=40960,
+                 tie_word_embeddings=False)
+"""Qwen3-32B's published shape: 61 GiB of bf16 weights, most of an 80 GB GPU."""
 
-def plan(template, tmp_path, capsys, *sets, gpu_gib=80):
+
+def plan(template, tmp_path, capsys, *sets, gpu_gib=80, target_config=None):
     target = tmp_path / "target"
-    TARGETS[template]().save_pretrained(target)      # config.json, and nothing else
+    (target_config or TARGETS[template]()).save_pretrained(target)      # config.json, and nothing else
     argv = ["--plan-only", "--json", "--config", str(ROOT / "configs" / template), "--gpu-memory", str(gpu_gib),
             "--run-dir", str(tmp_path / "run"), "--set", f"target.path={target}"]
     for kv in sets:
@@ -68,3 +74,26 @@ def test_a_run_that_cannot_fit_stops_before_anything_starts(tmp_path, cache_dir,
     assert len(err) == 1 and err[0].startswith("error: memory plan: cpu needs"), err
     assert "change runtime.feature_slots" in err[0]
     assert not run_dir.exists()
+
+
+def test_a_32b_target_on_the_8b_template_places_its_evaluator(tmp_path, capsys):
+    """Two 61 GiB targets fill cuda:0 and cuda:1 and the drafters fill the others: the
+    evaluator, which holds a whole target at its start, fits on the host only. With
+    eval.device auto the plan puts it there; set on cuda:0, the line names eval.device,
+    and the drafters' GPUs, which fit, keep the step they would take."""
+    config = Qwen3Config(**QWEN3_32B)
+    code, got, err = plan("qwen3-8b.yaml", tmp_path, capsys, "eval.device=auto", target_config=config)
+    assert code == 0 and got["problem"] is None, err
+    assert got["eval_device"] == "cpu" and all(d["fits"] for d in got["memory_plan"])
+    assert got["drafter_block_tokens"] >= 512 * 16 and not got["checkpoint_layers"]
+    weights = [p["gib"] for d in got["memory_plan"] for p in d["parts"] if p["what"].startswith("weights (bf")]
+    assert weights and all(60 < w < 62 for w in weights)
+
+    code, stuck, err = plan("qwen3-8b.yaml", tmp_path, capsys, "eval.device=cuda:0", target_config=config)
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1] == f"error: {stuck['problem']}"
+    assert lines[-1].startswith("error: memory plan: cuda:0 needs") and "change eval.device" in lines[-1]
+    assert "target_tp" not in lines[-1]
+    assert (stuck["drafter_block_tokens"], stuck["checkpoint_layers"]) == \
+        (got["drafter_block_tokens"], got["checkpoint_layers"])
+    assert [d["device"] for d in stuck["memory_plan"] if not d["fits"]] == ["cuda:0"]

@@ -10,7 +10,7 @@ from transformers import Qwen3Config
 from dflash_actors.config import load_config
 from dflash_actors.models import loss as L
 from dflash_actors.models.drafter import DFlashDrafter, drafter_config
-from dflash_actors.train import memplan, memtrace
+from dflash_actors.train import memplan, memtrace, tracecache
 from tests.support.pipeline import ROOT
 
 SMALL = Qwen3Config(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -89,7 +89,7 @@ def plan_with(gpu_bytes: dict, **changes):
     shape = memplan.BatchShape(rows=8, length=256, anchors=64, target_rows=8, target_length=256, longest=256)
     have = {"cpu": 64 * memplan.GIB, **gpu_bytes}
     inp = memplan.Inputs(cfg, ("cuda:0",), ("cuda:1",), ("cpu",), SMALL, [1, 3], shape, have)
-    return memplan.make_plan(inp)
+    return memplan.make_plan(inp, tracecache.RunTraces(cfg, SMALL, [1, 3]))
 
 
 def drafter_room(plan) -> tuple[int, int]:
