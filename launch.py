@@ -35,7 +35,8 @@ COMMANDS = {
     "plot": ("dflash_actors.observe.plot", "one picture of a run (needs matplotlib)"),
     "taps": ("dflash_actors.tools.taps", "rank which target layers feed the drafter, by short runs on your data"),
     "chaos": ("dflash_actors.tools.chaos", "a run under random kill -9s from outside, judged at the end"),
-    "reference": ("dflash_actors.job.reference", "the single-process trainer the pipeline matches bit for bit"),
+    "reference": ("dflash_actors.job.reference",
+                  "the single-process trainer the pipeline matches bit for bit (--job RUN_DIR: against a run)"),
 }
 """command -> (module whose ``main(argv)`` runs it, what it is for)."""
 

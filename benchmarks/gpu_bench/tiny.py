@@ -42,7 +42,7 @@ def bench_tiny(work: Path, limit_s: float, smoke: bool, out: str | None = None) 
     cmds = {"pipeline_2_2": with_sets([sys.executable, "launch.py", "--topology", "2-2", "--run-dir", str(run)],
                                       sets + devices_sets(device, 2)),
             "reference_2_2": with_sets([sys.executable, "launch.py", "reference", "--topology", "2-2",
-                                        "--run-dir", str(ref)], sets)}
+                                        "--run-dir", str(ref)], sets + devices_sets(device, 2))}
     procs = {k: subprocess.Popen(c, cwd=ROOT, stdout=open(work / f"tiny_{k}.log", "w"), stderr=subprocess.STDOUT)
              for k, c in cmds.items()}
     for k, p in procs.items():

@@ -115,6 +115,13 @@ def measure(cfg: Config, taps: tuple[int, ...], steps: int, heldout: str, texts:
 
     hf_logging.disable_progress_bar()
     cfg = cfg.updated({"drafter.target_layer_ids": list(taps), "train.num_threads": threads})
+    top = cfg.topology
+    if torch.cuda.is_available() and top.target_devices is None and top.drafter_devices is None:
+        # The reference places as the job does, which puts an N-M job on the CPU of a
+        # machine with fewer than N+M GPUs; a candidate's short run is one process, so
+        # it takes cuda:0 whole, as it did before the reference ran the plan.
+        n, m = top.num_targets * top.target_tp, top.num_drafters
+        cfg = cfg.updated({"topology.target_devices": ["cuda:0"] * n, "topology.drafter_devices": ["cuda:0"] * m})
     cfg = sized_to_steps(cfg, open_dataset(cfg.data, progress=False, path=train_path(cfg)).lengths, steps)
     kept: dict = {}
 

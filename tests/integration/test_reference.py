@@ -5,13 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_actors.config import load_config
+from dflash_actors.config import dump_config, load_config
 from dflash_actors.data.dataset import open_dataset
 from dflash_actors.data.synthetic import flatten, write_token_dataset
 from dflash_actors.eval.tau import evaluate_drafter
-from dflash_actors.job.reference import main, train_reference
+from dflash_actors.job.preflight import preflight, resolved
+from dflash_actors.job.reference import job_config, main, resolve, same_resolution, train_reference
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.prepare.regenerate import ensure_target_text
+from tests.support.host_memory import squeeze_host
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,6 +86,50 @@ def test_cli_prints_a_summary(cache, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps"] >= 4 and out["tokens_per_s"] > 0 and out["final_loss"] < out["first_loss"] + 1.0
     assert main(["--set", "train.lr=0"]) == 2
+
+
+def error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+def test_refuses_a_job_that_its_plan_resolved_otherwise(cache, tmp_path, monkeypatch, capsys):
+    """A job's config.yaml records what its memory plan chose. Where the plan here would
+    choose otherwise (the job's host trained whole batches, this smaller one would pick
+    micro-batches), the reference would take other steps than the job: one line, exit 2,
+    nothing trained. A micro-batch the config fixes that does not fit is refused as the
+    job refuses it."""
+    job_dir, out = tmp_path / "job", tmp_path / "ref"
+    cfg = cfg_with(cache, f"runtime.run_dir={job_dir}", topology="1-2")
+    job_dir.mkdir()
+    # As the job writes it: its config, resolved by its plan (whole batches on this host).
+    (job_dir / "config.yaml").write_text(dump_config(resolved(cfg, preflight(cfg, progress=False))))
+    recorded = job_config(job_dir, [])
+    assert recorded.train.drafter_block_tokens is None
+    same_resolution(job_dir, recorded, resolve(recorded, out, progress=False)[1])     # a fixed point here
+
+    squeeze_host(monkeypatch, cfg)
+    here, _ = resolve(recorded, out, progress=False)
+    assert here.train.drafter_block_tokens is not None      # what the reference would train now
+    assert main(["--job", str(job_dir), "--run-dir", str(out)]) == 2
+    assert error_lines(capsys) == [
+        f"error: train.drafter_block_tokens: the job in {job_dir} trained with whole batches (its config.yaml, as "
+        f"its memory plan resolved it), but the plan here picks {here.train.drafter_block_tokens}, so the reference "
+        "would take other steps; run it where the job's plan fits as it did (python launch.py --plan-only shows "
+        "a plan)"]
+    assert not out.exists() or not any(out.iterdir())
+
+    fixed = ["--set", f"data.cache_dir={cache}", *[a for x in SMALL for a in ("--set", x)],
+             "--set", "train.drafter_block_tokens=65536", "--run-dir", str(out)]
+    assert main(fixed) == 2
+    (line,) = error_lines(capsys)
+    assert line.startswith("error: memory plan: cpu needs") and "train.drafter_block_tokens" in line, line
+    assert main(["--job", str(job_dir), "--topology", "1-1"]) == 2
+    assert error_lines(capsys) == ["error: --job: trains on the job's own config.yaml; --topology is not for it "
+                                   "(--set is)"]
+    assert main(["--job", str(tmp_path / "nothing")]) == 2
+    assert error_lines(capsys) == [f"error: --job: {tmp_path / 'nothing'} holds no config.yaml (not a job's run "
+                                   "directory)"]
+    assert not out.exists() or not any(out.iterdir())
 
 
 @pytest.mark.slow
