@@ -17,11 +17,17 @@ actor comes from, so it must not be a silent single point of failure.
     children of a server the supervisor does not know. Here a dead server raises
     ``ForkServerError``; the supervisor decides (``restart``, with the first start's
     settings, or spawn).
-  * Every exchange has a timeout. The stdlib writes the child's arguments, then waits
+  * Nothing waits without a limit. The stdlib writes the child's arguments, then waits
     for its pid, both without limit: a stopped or hung server blocks the supervisor
-    for ever (the arguments exceed a pipe's 64 KiB, so even the write blocks). Here the
-    pid comes first, within ``timeout_s`` (the server forks on receiving the
-    descriptors alone), then the arguments go to a child known to exist.
+    for ever. Here the pid comes first (the server forks on receiving the descriptors
+    alone), within ``fork_timeout_s``, or ``first_fork_timeout_s`` while a new server
+    still imports; but a server seen stopped (SIGSTOP) for ``fork_timeout_s`` is lost
+    at once, imports or not: its imports are not running. Then the arguments go to a
+    child known to exist, without waiting for it to read them: they exceed a pipe's
+    64 KiB, and a child that does not read (stopped, stalled before its first line of
+    ours) must not stall the supervisor. What is left over a pipe's worth goes from a
+    thread (``_hand_over``); a child that never takes it makes no start-up progress,
+    which the supervisor's start timeout sees, and its end ends the thread.
   * A child's death is its own pidfd, not the server's report. The stdlib learns it
     only from the server, which reaps it: while the server is stopped, a dead actor
     would look alive. A pidfd is readable as soon as the process has ended, whoever
@@ -38,6 +44,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from multiprocessing import forkserver, popen_forkserver, process, reduction, resource_tracker, spawn, util
 from multiprocessing.connection import wait
@@ -56,13 +63,52 @@ server does within milliseconds: it reaps on SIGCHLD)."""
 UNKNOWN_EXIT = 255
 """The exit code of a child whose status the server could not report (the stdlib's)."""
 
+POLL_S = 0.05
+"""While waiting for a fork: how often a server that has not answered is looked at
+(stopped? ended?)."""
+
 NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 """Set in the server: ``torch.cuda.is_available()`` then asks NVML instead of initialising
 CUDA, so a preload that calls it cannot make every fork a CUDA-poisoned one."""
 
 
 class ForkServerError(RuntimeError):
-    """The fork server served no fork: it is gone, refused, or did not answer in time."""
+    """The fork server served no fork: it is gone, refused, stopped, or did not answer in
+    time."""
+
+
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP, a tracer): it runs nothing until
+    continued. False once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def _hand_over(fd: int, data: memoryview) -> None:
+    """Write ``data`` to the pipe ``fd`` and close it, waiting for the reader only in a
+    thread: what fits goes now, the rest as the child reads. A reader that ends first
+    ends the write (its pid's sentinel tells the supervisor)."""
+    try:
+        os.set_blocking(fd, False)
+        while data:
+            data = data[os.write(fd, data):]
+    except BlockingIOError:
+        os.set_blocking(fd, True)
+
+        def rest(data=data):
+            try:
+                with open(fd, "wb", closefd=True) as f:
+                    f.write(data)
+            except OSError:
+                pass    # the child is gone; its pidfd says so
+        threading.Thread(target=rest, name="fork-handover", daemon=True).start()
+        return
+    except OSError:
+        pass    # BrokenPipeError: it died already
+    os.close(fd)
 
 
 def resolve(configured: str) -> str:
@@ -97,10 +143,11 @@ class _Server(forkserver.ForkServer):
             self.exitcode = os.waitstatus_to_exitcode(status)
         return not done
 
-    def ask(self, fds: list[int], timeout_s: float) -> tuple[int, int, int]:
+    def ask(self, fds: list[int], timeout_s: float, stopped_s: float) -> tuple[int, int, int]:
         """Have the server fork a child that inherits ``fds``: ``(pid, status_r,
         data_w)``; the child reads its arguments from ``data_w``, the server reports
-        its exit status on ``status_r``. Raises ForkServerError, leaking nothing."""
+        its exit status on ``status_r``. The server has ``timeout_s`` to fork, of which
+        at most ``stopped_s`` stopped. Raises ForkServerError, leaking nothing."""
         if not self.alive():
             raise ForkServerError(f"the fork server (pid {self._forkserver_pid}) is not running")
         status_r, child_w = os.pipe()
@@ -111,9 +158,7 @@ class _Server(forkserver.ForkServer):
                 client.connect(self._forkserver_address)
                 reduction.sendfds(client, [child_r, child_w, self._forkserver_alive_fd,
                                            resource_tracker.getfd(), *fds])
-            if not wait([status_r], timeout_s):
-                raise ForkServerError(f"the fork server (pid {self._forkserver_pid}) did not fork within "
-                                      f"{timeout_s:g}s")
+            self._await_fork(status_r, timeout_s, stopped_s)
             try:
                 pid = forkserver.read_signed(status_r)
             except (OSError, EOFError):
@@ -129,6 +174,26 @@ class _Server(forkserver.ForkServer):
             os.close(child_w)
         self.answered = True
         return pid, status_r, data_w
+
+    def _await_fork(self, status_r: int, timeout_s: float, stopped_s: float) -> None:
+        """Until the server's answer is on ``status_r`` (a pid, or its end), or
+        ForkServerError: ``timeout_s`` passed, or the server was seen stopped for
+        ``stopped_s`` on end (a stopped server's imports do not advance either)."""
+        pid = self._forkserver_pid
+        start = time.monotonic()
+        stopped_since = None
+        while not wait([status_r], POLL_S):
+            now = time.monotonic()
+            if not stopped(pid):
+                stopped_since = None
+            elif stopped_since is None:
+                stopped_since = now
+            elif now - stopped_since >= stopped_s:
+                raise ForkServerError(f"the fork server (pid {pid}) is stopped and did not fork within "
+                                      f"{stopped_s:g}s")
+            if now - start >= timeout_s:
+                how = "is stopped and did not fork" if stopped_since is not None else "did not fork"
+                raise ForkServerError(f"the fork server (pid {pid}) {how} within {timeout_s:g}s")
 
 
 class _Popen(popen_forkserver.Popen):
@@ -153,7 +218,7 @@ class _Popen(popen_forkserver.Popen):
         finally:
             set_spawning_popen(None)
         server = self._starter.server
-        pid, self._status, w = server.ask(self._fds, self._starter.timeout_s())
+        pid, self._status, w = server.ask(self._fds, self._starter.timeout_s(), self._starter.fork_timeout_s)
         try:
             self._pidfd = os.pidfd_open(pid)
         except OSError:
@@ -167,11 +232,7 @@ class _Popen(popen_forkserver.Popen):
         self.sentinel = self._pidfd
         keep_w = os.dup(w)     # the child's view of its parent: alive while we hold it
         self.finalizer = util.Finalize(self, util.close_fds, (keep_w, self._status, self._pidfd))
-        with open(w, "wb", closefd=True) as f:
-            try:
-                f.write(buf.getbuffer())
-            except BrokenPipeError:
-                pass    # it died already; its pidfd says so
+        _hand_over(w, buf.getbuffer())
 
     def poll(self, flag=os.WNOHANG):
         if self.returncode is None:
@@ -309,16 +370,15 @@ class ForkServerStarter:
         if pid is None:
             return
         os.close(s._forkserver_alive_fd)
-        end = time.monotonic() + wait_s
+        end, killed = time.monotonic() + wait_s, False
         while s.alive():
-            if time.monotonic() >= end:
-                os.kill(pid, signal.SIGKILL)
-                try:
-                    os.waitpid(pid, 0)
-                except ChildProcessError:
-                    pass
-                break
-            time.sleep(0.01)
+            now = time.monotonic()
+            if now >= end:
+                if killed:
+                    break   # still in the kernel (uninterruptible): it ends with the kill, unreaped
+                os.kill(pid, signal.SIGKILL)    # a stopped server dies of it too
+                end, killed = now + STOP_WAIT_S, True
+            time.sleep(0.005)
         address = s._forkserver_address
         if address and not util.is_abstract_socket_namespace(address):
             try:

@@ -1,74 +1,132 @@
 """The actors' processes: start them, read their pipes, signal and stop them.
 
-The supervisor decides (restart, give up, stop); this room carries it out on real
-processes, and is the only one that touches them. A gang (``Stage.gang`` k > 1) is one
-actor of k processes and is handled here as one: every rank gets the same Work and
-Stop in the same order, the actor is Ready once every rank is, and the end of any rank
-ends them all (``reap``). So the supervisor sees actors, not ranks.
+The supervisor decides (restart, give up, stop, kill a hung actor, replace the fork
+server or give it up for spawn); this room carries it out on real processes, and is
+the only one that touches them. It reports what happened (messages, ends, the fork
+server's loss) and decides nothing. A gang (``Stage.gang`` k > 1) is one actor of k
+processes and is handled here as one: every rank gets the same Work and Stop in the
+same order, the actor is Ready once every rank is, and the end of any rank ends them
+all (``reap``). So the supervisor sees actors, not ranks.
 
 The fork server, where actors fork from one (``runtime.start_method: forkserver``),
-belongs here too: when it dies or fails to fork in time, every actor forked from it
-dies with it, so the group recovers each one's batches and starts them all again from
-a new server with the first one's settings, as one restart of the server (charged to
-its own restart intensity, not the actors'); past that intensity, it goes on with
-spawn (``_server_lost``). What actors say is fed to the dispatcher (Ready, Done) and
-the events log as it is read.
+belongs here too: the group starts it, forks from it, and reports it lost when it
+ends or serves no fork in time (``wait``'s ``server_lost``, ``spawn``'s
+``ForkServerError``); the supervisor then has it dropped, its actors buried
+(``bury``) and a new one started (``replace_server``) or spawn used from then on
+(``use_spawn``). What actors say is fed to the dispatcher (Ready, Done) and the events
+log as it is read.
 
-``Group`` is what the supervisor needs of a group; ``tests/support/memgroup.py`` is
-one with no processes at all, for testing the decisions alone.
+A group is built from a ``GroupContext``: what it needs of the job, frozen, and
+nothing of the supervisor. ``Group`` is what the supervisor needs of a group;
+``tests/support/memgroup.py`` is one with no processes at all, for testing the
+decisions alone.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Callable, Optional, Protocol
+from pathlib import Path
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import psutil
+import torch
 import torch.multiprocessing as tmp
 
 from . import forking
-from .actor import ActorContext
+from .actor import ActorContext, Heartbeats
 from .boot import Deferred, boot
+from .channels import Ring
 from .children import Child, Rank, StartPhase, exit_cause, free_port
-from .faults import strike_self
+from .config import RuntimeConfig
+from .dispatch import Dispatcher
+from .ledger import Ledger
 from .messages import ActorError, Done, Note, Ready, Starting, Stop
-from .policy import Decision, RestartPolicy
+from .trace import Window
 from .wakeup import Wakeup
 
-TERM_WAIT_S = 2.0       # after SIGTERM, before SIGKILL
+TERM_WAIT_S = 2.0
+"""After SIGTERM, before SIGKILL; and after SIGKILL, the most a process is waited for
+(one that has not ended by then is stuck in the kernel: it ends with the kill pending
+and runs none of its own code again, so it counts as ended)."""
 
 Ended = tuple[Child, Optional[Rank]]
 """An actor one of whose processes ended: the actor, and the rank above 0 that ended
 first (None: rank 0, or no gang)."""
 
 
+@dataclass(frozen=True)
+class GroupContext:
+    """What a group needs of its job: the actors' records (one per actor, filled with
+    each incarnation), the shared buffers every actor attaches to, and where what the
+    actors say goes (the dispatcher, the events log)."""
+    cfg: RuntimeConfig
+    run_dir: Path
+    children: list[Child]
+    dispatcher: Dispatcher
+    ledger: Ledger
+    heartbeats: Heartbeats
+    rings: dict[str, Ring]
+    num_threads: int
+    window: Window
+    fired: torch.Tensor
+    """Which injected faults have fired (shared: a replacement does not fire them again)."""
+    work_times: torch.Tensor
+    log: Callable[..., None]
+
+
+class Woke(NamedTuple):
+    """What a ``Group.wait`` saw."""
+    woken: bool
+    """The wakeup socket was poked (a signal, a request from another thread)."""
+    ended: list[Ended]
+    """Actors whose processes ended (none when the server is lost: ``bury`` them all)."""
+    server_lost: Optional[str]
+    """Why the fork server is lost, if it is: it ended."""
+
+
 class Group(Protocol):
     """What the supervisor asks of its actors' processes."""
     children: list[Child]
     start_method: str
-    restarts: int
-    """Times the fork server was lost and replaced (or given up for spawn)."""
 
     @property
     def server_pid(self) -> Optional[int]: ...
 
-    def start(self) -> None:
-        """Start every actor (the fork server first, where there is one)."""
+    def start(self) -> Optional[str]:
+        """Start the fork server, where there is one; None, or why it is lost already."""
 
     def spawn(self, c: Child, reason: str) -> None:
-        """Start ``c`` again, after its death."""
+        """Start ``c`` (every rank of a gang). Raises ``forking.ForkServerError`` when
+        the fork server serves no fork: it is lost."""
 
-    def wait(self, timeout: float, wake: Wakeup) -> tuple[bool, list[Ended]]:
+    def wait(self, timeout: float, wake: Wakeup) -> Woke:
         """Block until something happens or ``timeout`` passes; read every message that
-        came. Returns whether ``wake`` was poked, and the actors whose processes ended."""
+        came."""
 
     def reap(self, c: Child, first: Optional[Rank]) -> str:
         """After ``c`` ended: every rank ended and reaped, its last messages read. Returns
         its exit cause; ``c.error`` is the error that caused it, if one did."""
+
+    def kill(self, c: Child, rank: Optional[Rank]) -> None:
+        """SIGKILL ``c``'s process (``rank``: that rank's, which ends the gang); its end
+        is reported by ``wait``."""
+
+    def bury(self, c: Child) -> None:
+        """After the fork server is lost: every rank of ``c`` killed, reaped and read."""
+
+    def drop_server(self) -> None:
+        """Kill the lost fork server (a stopped or hung one too: its actors go with it)."""
+
+    def replace_server(self, reason: str) -> int:
+        """A new fork server with the first one's settings (``reason`` for the events
+        log); its pid. Raises if it will not start."""
+
+    def use_spawn(self) -> None:
+        """Give the fork server up: actors start with spawn from now on."""
 
     def send(self, c: Child, msg) -> None: ...
 
@@ -82,20 +140,16 @@ class Group(Protocol):
 class ProcessGroup:
     """The real group: one OS process per actor (k per gang)."""
 
-    def __init__(self, sup, forkserver: Optional[forking.ForkServerStarter]):
-        """``sup``: the supervisor, whose shared buffers, dispatcher and events log the
-        actors get. ``forkserver``: one its caller started (and stops); None: the group
-        starts its own when ``runtime.start_method`` resolves to forkserver."""
-        self.sup, self.cfg, self.children = sup, sup.cfg, sup.children
-        self.dispatcher, self.log = sup.dispatcher, sup.log
+    def __init__(self, ctx: GroupContext, forkserver: Optional[forking.ForkServerStarter]):
+        """``forkserver``: one its caller started (and stops); None: the group starts its
+        own when ``runtime.start_method`` resolves to forkserver."""
+        self.ctx, self.cfg, self.children, self.log = ctx, ctx.cfg, ctx.children, ctx.log
         self.start_method = forking.resolve(self.cfg.start_method)
         self._mp = tmp.get_context("spawn")     # pipes; and the processes under spawn
         self._own_server = forkserver is None
         self._server = None if self.start_method != "forkserver" else forkserver or forking.ForkServerStarter()
         if self._server is not None:
             self._server.set_timeouts(self.cfg.start_timeout_s, self.cfg.fork_timeout_s)
-        self._server_policy = RestartPolicy(self.cfg.max_restarts, self.cfg.restart_window_s)
-        self.restarts = 0
         self._forker_pid = os.getpid()   # the process each actor is forked from
 
     @property
@@ -103,12 +157,10 @@ class ProcessGroup:
         server = self._server   # read once: another thread may be asking while it is replaced
         return server.pid if server is not None else None
 
-    def start(self) -> None:
-        if self._server is not None:
-            self._start_forkserver()
-        for c in self.children:
-            if c.proc is None:      # a fork server lost on the way has started the rest
-                self.spawn(c, "initial start")
+    def start(self) -> Optional[str]:
+        if self._server is None:
+            return None
+        return self._start_forkserver()
 
     def close(self) -> None:
         if self._server is not None and self._own_server:
@@ -118,14 +170,7 @@ class ProcessGroup:
 
     def spawn(self, c: Child, reason: str) -> None:
         """Start ``c``: one process, or a gang's every rank (rank 0 first), with a new
-        rendezvous: a collective group does not outlive any of its ranks. A fork server
-        that fails to fork takes every actor with it (``_server_lost``), ``c`` included."""
-        try:
-            self._spawn_now(c, reason)
-        except forking.ForkServerError as e:
-            self._server_lost(str(e))
-
-    def _spawn_now(self, c: Child, reason: str) -> None:
+        rendezvous: a collective group does not outlive any of its ranks."""
         s = c.stage
         rendezvous = f"tcp://127.0.0.1:{free_port()}" if s.gang > 1 else None
         c.ready, c.rank0_ready, c.hung, c.error = False, False, None, None
@@ -144,24 +189,22 @@ class ProcessGroup:
             c.ps = None     # gone already; its sentinel says so
         ranks = {"ranks": [proc.pid] + [f.proc.pid for f in c.followers]} if c.followers else {}
         self.log("spawn", actor=c.actor_id, pid=proc.pid, reason=reason, **ranks)
-        if c.followers:
-            strike_self(self.cfg.faults, "gang", self.sup.committed_count(), self.sup.run_dir, self.log)
 
     def _start(self, c: Child, number: int, rank: int, rendezvous: Optional[str]):
         """One process of ``c`` (``rank`` of its gang, heartbeat row ``number``) and the
         supervisor's end of its pipe."""
         parent_conn, child_conn = self._mp.Pipe(duplex=True)
-        s, sup = c.stage, self.sup
+        s, x = c.stage, self.ctx
         ctx = ActorContext(
             actor_id=c.actor_id, number=number, index=c.index, parent_pid=os.getpid(),
-            conn=child_conn, ledger=sup.ledger, heartbeats=sup.heartbeats,
-            heartbeat_s=self.cfg.heartbeat_s, num_threads=sup.num_threads, to_state=s.to_state,
-            in_ring=sup.rings[s.in_ring] if s.in_ring else None,
-            out_ring=sup.rings[s.out_ring] if s.out_ring else None, spec=s.spec,
+            conn=child_conn, ledger=x.ledger, heartbeats=x.heartbeats,
+            heartbeat_s=self.cfg.heartbeat_s, num_threads=x.num_threads, to_state=s.to_state,
+            in_ring=x.rings[s.in_ring] if s.in_ring else None,
+            out_ring=x.rings[s.out_ring] if s.out_ring else None, spec=s.spec,
             # Rank 0 is the actor its track and faults name; the others only follow it.
-            trace_dir=str(sup.run_dir) if self.cfg.trace and rank == 0 else None, trace_window=sup.window,
+            trace_dir=str(x.run_dir) if self.cfg.trace and rank == 0 else None, trace_window=x.window,
             faults=tuple((i, f) for i, f in enumerate(self.cfg.faults) if f.actor == c.actor_id) if rank == 0 else (),
-            fired=sup.fired, work_times=sup.work_times, stage=self.dispatcher.stages.index(s),
+            fired=x.fired, work_times=x.work_times, stage=x.dispatcher.stages.index(s),
             rank=rank, gang=s.gang, rendezvous=rendezvous)
         Process = self._server.Process if self._server is not None else self._mp.Process
         name = c.actor_id if rank == 0 else f"{c.actor_id}.rank{rank}"
@@ -175,90 +218,60 @@ class ProcessGroup:
             child_conn.close()
         return proc, parent_conn
 
-    def _start_forkserver(self) -> None:
+    def _start_forkserver(self) -> Optional[str]:
         """Start the fork server every actor of this run is forked from, with its
         imports: torch, each stage's actor module and what the actors name in
         ``PRELOAD``; or use the one the caller started, saying what it lacks (an actor
         imports that itself, on every start). The first actors wait for the imports
-        (their "fork" phase); restarts do not."""
+        (their "fork" phase); restarts do not. Returns why the server is lost, if the
+        caller's died before the job began."""
         modules = ["torch"]
-        for stage in self.dispatcher.stages:
+        for stage in self.ctx.dispatcher.stages:
             modules += [stage.actor.__module__, *stage.actor.PRELOAD]
         modules = list(dict.fromkeys(modules))
         if self._own_server:
             self._forker_pid = self._server.start(modules, os.getpid())
             self.log("forkserver", pid=self._forker_pid, preload=modules,
                      reason="actors fork from a server that imported these once")
-        else:
-            self._forker_pid = self._server.pid
-            if not self._server.alive():        # it died before this job began
-                self._server_lost(f"the fork server started at launch (pid {self._forker_pid}) "
-                                  f"{self._server.ended_how()} before the job began")
-                return
-            self.log("forkserver", pid=self._forker_pid, preload=list(self._server.preload[1:]),
-                     not_preloaded=[m for m in modules if m not in self._server.preload],
-                     reason="actors fork from the server started at launch, whose imports overlapped the checks")
+            return None
+        self._forker_pid = self._server.pid
+        if not self._server.alive():
+            return (f"the fork server started at launch (pid {self._forker_pid}) "
+                    f"{self._server.ended_how()} before the job began")
+        self.log("forkserver", pid=self._forker_pid, preload=list(self._server.preload[1:]),
+                 not_preloaded=[m for m in modules if m not in self._server.preload],
+                 reason="actors fork from the server started at launch, whose imports overlapped the checks")
+        return None
 
-    def _server_lost(self, cause: str) -> None:
-        """The fork server died, or failed to fork in time: every actor forked from it
-        dies with it (their parent-death signal is tied to it), so each one's batches go
-        back and all of them start again, as one restart event of the server, not a
-        death of each (their restart intensity is not charged). The new server has the
-        first one's settings (``ForkServerStarter.restart``); past the restart
-        intensity, or if it will not start, the job goes on with spawn. A new server
-        that fails too is dealt with the same way."""
-        while True:
-            self.log("forkserver_lost", pid=self._server.pid, reason=cause)
-            self._server.stop(wait_s=0.0)       # a stopped or hung one is killed: its actors go with it
-            for c in self.children:
-                if c.proc is not None:
-                    self._bury(c, f"its fork server was lost ({cause})")
-            self.restarts += 1
-            line = None
-            if self._server_policy.decide(time.monotonic(), None) is Decision.RESTART:
-                try:
-                    self._forker_pid = self._server.restart()
-                    line = f"fork server restarted (pid {self._forker_pid}) after: {cause}"
-                    self.log("forkserver", pid=self._forker_pid, preload=list(self._server.preload[1:]),
-                             reason=f"restarted after: {cause}")
-                except Exception as e:  # noqa: BLE001 - whatever stops a new server, spawn remains
-                    cause = f"{cause}; a new one did not start: {type(e).__name__}: {e}"
-            else:
-                cause = (f"{cause}; lost {self._server_policy.recent} times within {self.cfg.restart_window_s:g}s "
-                         f"(max_restarts={self.cfg.max_restarts})")
-            if line is None:
-                self._server.stop(wait_s=0.0)
-                self._server, self.start_method, self._forker_pid = None, "spawn", os.getpid()
-                line = f"fork server given up, actors start with spawn from now on: {cause}"
-                self.log("forkserver_given_up", reason=cause)
-            print(f"warning: {line}", file=sys.stderr, flush=True)
-            try:
-                for c in self.children:
-                    if c.proc is None:
-                        self._spawn_now(c, f"restart after its fork server was lost ({cause})")
-                return
-            except forking.ForkServerError as e:
-                cause = str(e)
+    # -- the fork server's loss --------------------------------------------------
 
-    def _bury(self, c: Child, cause: str) -> None:
-        """An actor whose fork server is gone: its every rank killed (the parent-death
-        signal is on its way; this does not wait for it), reaped, read, and its batches
-        recovered."""
+    def drop_server(self) -> None:
+        self._server.stop(wait_s=0.0)
+
+    def replace_server(self, reason: str) -> int:
+        self._forker_pid = self._server.restart()
+        self.log("forkserver", pid=self._forker_pid, preload=list(self._server.preload[1:]), reason=reason)
+        return self._forker_pid
+
+    def use_spawn(self) -> None:
+        self._server.stop(wait_s=0.0)
+        self._server, self.start_method, self._forker_pid = None, "spawn", os.getpid()
+
+    def bury(self, c: Child) -> None:
+        """Every rank of ``c`` killed (the parent-death signal is on its way; this does
+        not wait for it), reaped, read."""
         procs = [p for p in [c.proc] + [f.proc for f in c.followers] if p is not None]
         for p in procs:
             p.kill()
         for p in procs:
-            p.join()
+            p.join(TERM_WAIT_S)
         self._read(c)
         self._close_followers(c)
         self._close(c)
-        settled, put_back, redone = self.dispatcher.on_death(c.number)
-        self.log("died", actor=c.actor_id, reason=cause, settled=settled, put_back=put_back,
-                 decision=Decision.RESTART.value, **({"redone": redone} if redone else {}))
 
     # -- reading ---------------------------------------------------------------
 
-    def wait(self, timeout: float, wake: Wakeup) -> tuple[bool, list[Ended]]:
+    def wait(self, timeout: float, wake: Wakeup) -> Woke:
         ready = wait(self._waitables(wake), timeout)
         # Messages first: a Done or ActorError sent just before death must count.
         for c in self.children:
@@ -268,9 +281,6 @@ class ProcessGroup:
                 if f.conn is not None and f.conn in ready:
                     self._read_follower(c, f)
         woken = wake.reader in ready
-        if self._server is not None and self._server.sentinel in ready:
-            self._server_lost(f"the fork server (pid {self._server.pid}) {self._server.ended_how()}")
-            return woken, []
         ended = []
         for c in self.children:
             if c.proc is None:
@@ -281,7 +291,12 @@ class ProcessGroup:
                 first = next((f for f in c.followers if f.proc is not None and f.proc.sentinel in ready), None)
                 if first is not None:
                     ended.append((c, first))
-        return woken, ended
+        server = self._server
+        # Its actors die with it (their parent-death signal), often seen before its own
+        # sentinel: then they died of its loss, not each of its own.
+        if server is not None and (server.sentinel in ready or (ended and not server.alive())):
+            return Woke(woken, [], f"the fork server (pid {server.pid}) {server.ended_how()}")
+        return Woke(woken, ended, None)
 
     def _waitables(self, wake: Wakeup) -> list:
         objs = [wake.reader]
@@ -311,7 +326,7 @@ class ProcessGroup:
     def _read(self, c: Child) -> None:
         for msg in self._pending(c.conn):
             if isinstance(msg, Done):
-                self.dispatcher.on_done(c.number, msg.batch_id)
+                self.ctx.dispatcher.on_done(c.number, msg.batch_id)
             elif isinstance(msg, Starting):
                 now = time.monotonic()
                 if c.starting is None or c.starting.name != msg.phase:
@@ -334,7 +349,7 @@ class ProcessGroup:
         if c.ready or not c.rank0_ready or not all(f.ready for f in c.followers):
             return
         c.ready, c.starting, c.ready_at = True, None, time.time()
-        self.dispatcher.on_ready(c.number)
+        self.ctx.dispatcher.on_ready(c.number)
         self.log("ready", actor=c.actor_id, pid=c.proc.pid, startup_s=round(time.monotonic() - c.spawned_at, 3))
 
     def _read_follower(self, c: Child, f: Rank) -> None:
@@ -362,7 +377,7 @@ class ProcessGroup:
     def reap(self, c: Child, first: Optional[Rank]) -> str:
         blame = self._end_gang(c, first) if c.followers else None
         self._read(c)
-        c.proc.join()
+        c.proc.join(TERM_WAIT_S)
         cause = exit_cause(c.proc.exitcode, c.hung, c.error)
         if blame is not None:
             # Its error decides (an Escalate there stops the job), not the one rank 0
@@ -381,7 +396,7 @@ class ProcessGroup:
         blame = None
         if first is not None:
             self._read_follower(c, first)
-            first.proc.join()
+            first.proc.join(TERM_WAIT_S)
             if not (c.proc.exitcode is not None and (c.hung or c.proc.exitcode < 0)):
                 blame = f"rank {first.rank} " + exit_cause(first.proc.exitcode, first.hung, first.error), first.error
         for p in [c.proc] + [f.proc for f in c.followers]:
@@ -389,7 +404,7 @@ class ProcessGroup:
                 p.kill()
         for f in c.followers:
             if f.proc is not None:
-                f.proc.join()
+                f.proc.join(TERM_WAIT_S)
         self._close_followers(c)
         return blame
 
@@ -402,10 +417,17 @@ class ProcessGroup:
 
     @staticmethod
     def _close(p: Child | Rank) -> None:
-        """An ended process's pipe and sentinel closed: a long run restarts many times."""
+        """An ended process's pipe and sentinel closed: a long run restarts many times.
+        (One killed but still in the kernel keeps its sentinel until it is collected.)"""
         p.conn.close()
-        p.proc.close()
+        if p.proc.exitcode is not None:
+            p.proc.close()
         p.proc, p.conn = None, None
+
+    def kill(self, c: Child, rank: Optional[Rank]) -> None:
+        # Through the process object: SIGKILL ends a stopped process too, and one that
+        # has ended already is skipped (its pid may be another's by now).
+        (rank.proc if rank is not None else c.proc).kill()
 
     def send(self, c: Child, msg) -> None:
         """To the actor; to a gang, to every rank in the same order (they run the same
@@ -435,7 +457,7 @@ class ProcessGroup:
         self._stop_followers(time.monotonic() + TERM_WAIT_S)
         for c in self.children:
             if c.proc is not None:
-                c.proc.join()
+                c.proc.join(TERM_WAIT_S)
                 self._read_settling(c)   # what it sent between our last read and its exit
                 self.log("exit", actor=c.actor_id, reason=f"exit code {c.proc.exitcode}")
                 self._close(c)
@@ -452,7 +474,7 @@ class ProcessGroup:
                 if f.proc.exitcode is None:
                     self.log("escalate", actor=c.actor_id, rank=f.rank, reason="still running, sending SIGKILL")
                     f.proc.kill()
-                    f.proc.join()
+                    f.proc.join(TERM_WAIT_S)
                 self._close(f)
 
     def _join(self, live: list[Child], until: float, wake: Wakeup) -> list[Child]:
@@ -480,6 +502,6 @@ class ProcessGroup:
             self.log("error", actor=c.actor_id, reason=f"while stopping: {type(e).__name__}: {e}")
 
 
-GroupFactory = Callable[..., Group]
-"""Called with the supervisor and its ``forkserver`` argument: ``ProcessGroup``, or a
-test's group with no processes."""
+GroupFactory = Callable[[GroupContext, Optional[forking.ForkServerStarter]], Group]
+"""Called with the group's context and the supervisor's ``forkserver`` argument:
+``ProcessGroup``, or a test's group with no processes."""

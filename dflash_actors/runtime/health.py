@@ -1,20 +1,34 @@
 """Is each actor alive? Hang and stuck detection from heartbeats and start-up progress.
 
-Hung (killed): a ready actor, or any rank of a ready gang, whose heartbeat is older than
-``hang_timeout_s``; an actor not yet ready that has shown no start-up progress (a new
-phase, or a count in one) for ``start_timeout_s``. Stuck (only shown, in status.json and
-one events.log line when it begins and ends): a heartbeat older than ``stuck_s``, or a
-start-up phase silent for ``hang_timeout_s``. The supervisor acts on neither by itself:
-a hung process is killed here and its sentinel brings the restart decision.
+Hung (to be killed): a ready actor, or any rank of a ready gang, whose heartbeat is
+older than ``hang_timeout_s``; an actor not yet ready that has shown no start-up
+progress (a new phase, or a count in one) for ``start_timeout_s``, counted from its
+spawn: the moments between the fork and its first word are covered too. Stuck (only
+shown, in status.json and one events.log line when it begins and ends): a heartbeat
+older than ``stuck_s``, or a start-up phase silent for ``hang_timeout_s``.
+
+This room reports and touches nothing: ``hung`` returns who should be killed and why;
+the supervisor marks them, logs the decision and has its group kill them, and the
+process's end brings the restart decision.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .actor import Heartbeats
-from .children import Child
+from .children import Child, Rank
 from .config import RuntimeConfig
+
+
+@dataclass(frozen=True)
+class Hung:
+    """A process to kill: ``child``'s, or its gang's ``rank`` above 0 (which takes the
+    gang down)."""
+    child: Child
+    rank: Optional[Rank]
+    reason: str
 
 
 def progressed_at(c: Child) -> float:
@@ -26,23 +40,22 @@ class Health:
     def __init__(self, cfg: RuntimeConfig, heartbeats: Heartbeats, log: Callable[..., None]):
         self.cfg, self.heartbeats, self.log = cfg, heartbeats, log
 
-    def check_hangs(self, children: list[Child], now: float) -> None:
-        """Kill every hung process (a gang's rank takes the gang down through its sentinel)."""
+    def hung(self, children: list[Child], now: float) -> list[Hung]:
+        """Every live process that is hung and not already being killed."""
+        out = []
         for c in children:
             if c.proc is None or c.hung:
                 continue
             reason = self.hang_reason(c, now)
             if reason:
-                c.hung = f"hung: {reason}; killed"
-                self.log("hang", actor=c.actor_id, pid=c.proc.pid, reason=reason)
-                c.proc.kill()   # SIGKILL works on a stopped process too; the sentinel follows
+                out.append(Hung(c, None, reason))
+                continue
             for f in c.followers if c.ready else ():
                 age = now - self.heartbeats.row(f.number)["beat"]
                 if f.proc is not None and not f.hung and age > self.cfg.hang_timeout_s:
-                    reason = f"rank {f.rank}: no heartbeat for {age:.1f}s (hang_timeout_s={self.cfg.hang_timeout_s:g})"
-                    f.hung = f"hung: {reason}; killed"
-                    self.log("hang", actor=c.actor_id, pid=f.proc.pid, reason=reason)
-                    f.proc.kill()   # its sentinel brings down the gang
+                    out.append(Hung(c, f, f"rank {f.rank}: no heartbeat for {age:.1f}s "
+                                          f"(hang_timeout_s={self.cfg.hang_timeout_s:g})"))
+        return out
 
     def hang_reason(self, c: Child, now: float) -> Optional[str]:
         if not c.ready:

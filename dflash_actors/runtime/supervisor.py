@@ -19,14 +19,22 @@ loop: the job fails with one line naming the actor, its exit cause and its last
 traceback), or RAISE (an ``actor.Escalate`` error, or a ``ProtocolError``, a bug: the
 job stops and the caller gets the exception; the training job rolls back after the
 former and fails after the latter). An actor counts as dead when its process
-exits, and as hung, then killed, by ``health``'s rules (a silent heartbeat, or no
-start-up progress: a big shard on slow storage is slow, not hung, while it counts).
+exits, and as hung by ``health``'s rules (a silent heartbeat, or no start-up progress:
+a big shard on slow storage is slow, not hung, while it counts): then it is killed
+here, and its end brings the decision above.
 
-Rooms: ``group`` starts, reads, signals and stops the processes, a gang's k ranks as
-one actor, and replaces a lost fork server; ``health`` finds hung and stuck actors;
-``status`` writes the runtime's block of status.json; ``faults`` holds the faults
-aimed at the supervisor itself. What stays here is the loop and the decisions, which
-``tests/unit/test_decisions.py`` runs against a group with no processes.
+When the fork server is lost (it ended, or served no fork in time: ``forking``), every
+actor forked from it dies with it: each one's batches go back, and the server's own
+``RestartPolicy`` decides, as one restart event of the server, not a death of each
+actor (their restart intensity is not charged): RESTART a new server with the first
+one's settings and every actor from it, or, past that intensity or when a new one will
+not start, go on with spawn (``_server_lost``).
+
+Rooms: ``group`` starts, reads, signals and stops the processes (a gang's k ranks as
+one actor, the fork server) and reports what happened; ``health`` says who is hung and
+stuck; ``status`` writes the runtime's block of status.json; ``faults`` holds the
+faults aimed at the supervisor itself. What stays here is the loop and every decision,
+which ``tests/unit/test_decisions.py`` runs against a group with no processes.
 
 The loop blocks in the group's ``wait`` (process sentinels, actor pipes and the
 ``wakeup`` socket) until the next deadline (status write or hang check). Every
@@ -50,6 +58,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -64,10 +73,10 @@ from .children import Child, Rank
 from .config import RuntimeConfig
 from .dispatch import Dispatcher, Stage
 from .events import EventLog
-from .faults import SUPERVISOR_POINTS, check_faults
+from .faults import SUPERVISOR_POINTS, check_faults, strike_self
 from .files import cannot_write, write_atomically
-from .group import GroupFactory, ProcessGroup
-from .health import Health
+from .group import GroupContext, GroupFactory, ProcessGroup
+from .health import Health, Hung
 from .ledger import Ledger
 from .outcome import JobResult, JobState
 from .policy import Decision, RestartPolicy
@@ -133,7 +142,13 @@ class Supervisor:
         self.window = Window(first_batch, n_batches, runtime.trace_batches)
         self.tracer = Tracer(None, SUPERVISOR_TRACK)
         self._ps = psutil.Process()
-        self.group = group(self, forkserver)
+        self._server_policy = RestartPolicy(runtime.max_restarts, runtime.restart_window_s)
+        self.server_restarts = 0
+        """Times the fork server was lost and replaced (or given up for spawn)."""
+        self.group = group(GroupContext(
+            cfg=runtime, run_dir=self.run_dir, children=self.children, dispatcher=self.dispatcher,
+            ledger=self.ledger, heartbeats=self.heartbeats, rings=self.rings, num_threads=num_threads,
+            window=self.window, fired=self.fired, work_times=self.work_times, log=self.log), forkserver)
 
     # -- public ----------------------------------------------------------------
 
@@ -148,7 +163,7 @@ class Supervisor:
         try:
             self.log("start", reason="job begins", actors=[c.actor_id for c in self.children],
                       batches=len(self.ledger), committed_before=len(self.ledger) - self.dispatcher.remaining())
-            self.group.start()
+            self._start()
             result = self._loop()
         except BaseException as e:
             self.log("abort", reason=f"supervisor error: {type(e).__name__}: {e}")
@@ -161,8 +176,8 @@ class Supervisor:
                 # After the stop: Done messages read while the actors finished count too.
                 result.committed = list(self.dispatcher.committed)
                 result.restarts = {c.actor_id: c.restarts for c in self.children}
-                if self.group.restarts:
-                    result.restarts["forkserver"] = self.group.restarts
+                if self.server_restarts:
+                    result.restarts["forkserver"] = self.server_restarts
                 self.state = result.state
                 self.log("end", state=result.state.value, reason=result.reason, restarts=result.restarts)
             self._write_status()
@@ -207,15 +222,21 @@ class Supervisor:
             if now >= next_status:
                 self._write_status()
                 next_status = now + STATUS_PERIOD_S
-            self.health.check_hangs(self.children, now)
+            for hung in self.health.hung(self.children, now):
+                self._kill_hung(hung)
             failure = None
             timeout = max(0.0, min(next_status, self.health.next_deadline(self.children)) - time.monotonic())
-            woken, ended = self.group.wait(timeout, self._wake)
+            woken, ended, server_lost = self.group.wait(timeout, self._wake)
             t_woke = time.monotonic()
             if woken:
                 self._wake.drain()
-            for c, first in ended:
-                failure = failure or self._on_exit(c, first)
+            if server_lost:
+                self._server_lost(server_lost)
+            for c, first, proc in [(c, first, c.proc) for c, first in ended]:
+                # A fork server lost while an earlier one restarted has buried and
+                # restarted this one too.
+                if c.proc is proc:
+                    failure = failure or self._on_exit(c, first)
             if failure:
                 return self._stopping(failure)
             t0 = time.monotonic()
@@ -238,6 +259,81 @@ class Supervisor:
 
     # -- decisions -------------------------------------------------------------
 
+    def _start(self) -> None:
+        """The fork server (where there is one), then every actor."""
+        lost = self.group.start()
+        if lost:
+            self._server_lost(lost)
+        for c in self.children:
+            if c.proc is None:      # a fork server lost on the way has started the rest
+                self._spawn(c, "initial start")
+
+    def _spawn(self, c: Child, reason: str) -> None:
+        """Start ``c``. A fork server that fails to fork takes every actor with it
+        (``_server_lost``), ``c`` included."""
+        try:
+            self.group.spawn(c, reason)
+        except forking.ForkServerError as e:
+            self._server_lost(str(e))
+            return
+        self._spawned(c)
+
+    def _spawned(self, c: Child) -> None:
+        """``c`` is spawned: a gang's ranks now form, the supervisor's own fault point
+        ``gang`` (``faults``)."""
+        if c.followers:
+            strike_self(self.cfg.faults, "gang", self.committed_count(), self.run_dir, self.log)
+
+    def _kill_hung(self, h: Hung) -> None:
+        """A hung process (``health``): killed; its end brings the restart decision."""
+        who = h.rank if h.rank is not None else h.child
+        who.hung = f"hung: {h.reason}; killed"
+        self.log("hang", actor=h.child.actor_id, pid=who.proc.pid, reason=h.reason)
+        self.group.kill(h.child, h.rank)
+
+    def _server_lost(self, cause: str) -> None:
+        """The fork server died, or failed to fork in time: every actor forked from it
+        dies with it (their parent-death signal is tied to it), so each one's batches go
+        back and all of them start again, as one restart event of the server, not a
+        death of each (their restart intensity is not charged). The new server has the
+        first one's settings; past the server's restart intensity, or if a new one will
+        not start, the job goes on with spawn. A new server that fails too is dealt with
+        the same way."""
+        while True:
+            self.log("forkserver_lost", pid=self.group.server_pid, reason=cause)
+            self.group.drop_server()
+            for c in self.children:
+                if c.proc is not None:
+                    self.group.bury(c)
+                    settled, put_back, redone = self.dispatcher.on_death(c.number)
+                    self.log("died", actor=c.actor_id, reason=f"its fork server was lost ({cause})",
+                             settled=settled, put_back=put_back, decision=Decision.RESTART.value,
+                             **({"redone": redone} if redone else {}))
+            self.server_restarts += 1
+            line = None
+            if self._server_policy.decide(time.monotonic(), None) is Decision.RESTART:
+                try:
+                    pid = self.group.replace_server(f"restarted after: {cause}")
+                    line = f"fork server restarted (pid {pid}) after: {cause}"
+                except Exception as e:  # noqa: BLE001 - whatever stops a new server, spawn remains
+                    cause = f"{cause}; a new one did not start: {type(e).__name__}: {e}"
+            else:
+                cause = (f"{cause}; lost {self._server_policy.recent} times within {self.cfg.restart_window_s:g}s "
+                         f"(max_restarts={self.cfg.max_restarts})")
+            if line is None:
+                self.group.use_spawn()
+                line = f"fork server given up, actors start with spawn from now on: {cause}"
+                self.log("forkserver_given_up", reason=cause)
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+            try:
+                for c in self.children:
+                    if c.proc is None:
+                        self.group.spawn(c, f"restart after its fork server was lost ({cause})")
+                        self._spawned(c)
+                return
+            except forking.ForkServerError as e:
+                cause = str(e)
+
     def _on_exit(self, c: Child, first: Optional[Rank] = None) -> Optional[JobResult]:
         """A child's process ended while running (for a gang: any rank's, ``first`` when
         not rank 0): recover, then restart or give up."""
@@ -259,7 +355,7 @@ class Supervisor:
             return JobResult(JobState.FAILED, line,
                              traceback=c.last_error.traceback_text if c.last_error else None)
         c.restarts += 1
-        self.group.spawn(c, f"one_for_one restart after: {cause}")
+        self._spawn(c, f"one_for_one restart after: {cause}")
         return None
 
     def committed_count(self) -> int:
@@ -282,7 +378,7 @@ class Supervisor:
         rss, cpu = status.usage(self._ps)
         return {"time": round(time.time(), 3), "state": self.state.value, "reason": self.reason,
                 "supervisor_pid": os.getpid(), "start_method": self.group.start_method,
-                "forkserver_pid": self.group.server_pid, "forkserver_restarts": self.group.restarts,
+                "forkserver_pid": self.group.server_pid, "forkserver_restarts": self.server_restarts,
                 "supervisor_started": self._ps.create_time(),
                 "supervisor": {"rss_mb": rss, "cpu_pct": cpu, **status.gpu_fields(gpu_memory())},
                 "stuck_after_s": self.cfg.stuck_s, "hang_timeout_s": self.cfg.hang_timeout_s,

@@ -125,6 +125,10 @@ class Driver:
         self.seen: dict[int, float] = {}
         """pid -> create time of every process of the job seen so far (pid reuse safe)."""
         self.follower_next = False
+        self.struck_at = 0.0
+        """Unix time of the last strike: a status.json older than that predates its effect
+        (the supervisor writes none while it replaces a fork server), and its pids may be
+        dead, or another process's by now."""
 
     def launch(self, resume: bool) -> None:
         where = ["--resume", str(self.run_dir)] if resume else ["--run-dir", str(self.run_dir)]
@@ -190,7 +194,8 @@ class Driver:
         end = time.monotonic() + timeout
         while time.monotonic() < end and self.running():
             st = read_or_none(self.run_dir)
-            if st and st.get("supervisor_pid") == self.proc.pid and st["state"] == "running":
+            if (st and st.get("supervisor_pid") == self.proc.pid and st["state"] == "running"
+                    and st.get("time", 0.0) > self.struck_at):
                 self._track(st)
                 states = [a["state"] in ("idle", "working") for a in st["actors"].values()]
                 if all(states) if every else any(states):
@@ -208,6 +213,7 @@ class Driver:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return False    # died meanwhile
+        self.struck_at = time.time()
         self.done[kind] += 1
         return True
 
@@ -241,6 +247,7 @@ class Driver:
             os.kill(old, signal.SIGSTOP if stop else signal.SIGKILL)
         except ProcessLookupError:
             return False
+        self.struck_at = time.time()
         if stop:
             time.sleep(0.2)
             self.kill_actor(st)

@@ -1,7 +1,10 @@
-"""The fork server every actor comes from, struck: kill -9, SIGSTOP, and a supervisor
-killed after it has replaced one. The job goes on, every batch exactly once, the
-server's loss counted as one restart event (no actor's restart intensity charged),
-and the replacement carries the first server's settings: it dies with its supervisor."""
+"""The fork server every actor comes from, struck: kill -9, SIGSTOP (before a fork,
+while a new one imports and the supervisor waits for its first fork, and right after it
+has forked the restarted actors), and a supervisor killed after it has replaced one.
+The job goes on, every batch exactly once, the server's loss counted as one restart
+event (no actor's restart intensity charged), no silence in events.log longer than the
+timeouts that bound a restart, and the replacement carries the first server's
+settings: it dies with its supervisor."""
 
 import json
 import os
@@ -12,6 +15,7 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from dflash_actors.runtime.outcome import JobState
 from tests.support.runtime import ROOT, all_gone, assert_exactly_once, events, runtime, wait_for
@@ -143,3 +147,97 @@ def test_a_replaced_fork_server_still_dies_with_its_supervisor(tmp_path):
     finally:
         sup.kill()
         sup.wait()
+
+
+def _longest_silence(run_dir) -> float:
+    """The longest gap between two events.log lines, in seconds."""
+    t = [e["mono"] for e in events(run_dir)]
+    return max(b - a for a, b in zip(t, t[1:]))
+
+
+def _strike_replacement(sup, when):
+    """A thread: once the job is at work, kill -9 the server; then SIGSTOP its
+    replacement once ``when(new_pid)`` holds; the record of what it did."""
+    done = {}
+
+    def run():
+        try:
+            wait_for(lambda: _working(sup), "the job at work")
+            done["first"] = sup.group.server_pid
+            os.kill(done["first"], signal.SIGKILL)
+            new = wait_for(lambda: sup.group.server_pid not in (None, done["first"]) and sup.group.server_pid,
+                           "a new fork server", 60)
+            wait_for(lambda: when(new), "the moment to stop the new server", 120, poll_s=0.0005)
+            os.kill(new, signal.SIGSTOP)
+            done["stopped"], done["at"] = new, time.monotonic()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            done["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, done
+
+
+# Restarts are bounded by these: a fork within FORK_S, a stopped server found out
+# within FORK_S, a new server's imports within START_S (on a loaded machine: seconds).
+FORK_S, START_S = 1.0, 60.0
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_stopped_while_the_supervisor_waits_for_its_first_fork_is_replaced(tmp_path):
+    """The new server is stopped at once, while it imports and the supervisor waits for
+    its first fork (which may take ``START_S`` for a running one): stopped, it is found
+    out within ``fork_timeout_s``, killed and replaced, and the job ends as a clean one."""
+    cfg = runtime(tmp_path, fork_timeout_s=FORK_S, start_timeout_s=START_S, hang_timeout_s=10.0)
+    sup, results = toy_job(cfg, n_batches=300, work_s=0.02, own_server=True)
+    t, done = _strike_replacement(sup, lambda new: True)
+    result = sup.run()
+    t.join(5)
+    assert "error" not in done, done
+    assert result.state is JobState.DONE, result.reason
+    assert_exactly_once(sup, results, result, 300)
+    assert result.restarts == {"loader.0": 0, "target.0": 0, "drafter.0": 0, "forkserver": 2}
+    run = tmp_path / "run"
+    lost = events(run, "forkserver_lost")
+    assert [e["pid"] for e in lost] == [done["first"], done["stopped"]]
+    assert "is stopped and did not fork within 1s" in lost[1]["reason"]
+    assert lost[1]["mono"] - done["at"] < FORK_S + 5.0, "a stopped server was waited for as an importing one"
+    assert _longest_silence(run) < START_S
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_stopped_right_after_it_forked_the_restarted_actors_is_replaced(tmp_path):
+    """The new server is stopped the moment it has forked a restarted actor, before that
+    actor has said a word: the actors it forked start and work without it, the forks
+    it still owes fail within ``fork_timeout_s``, and so does the next fork a death
+    needs (kill -9 of the drafter); a new server takes over and the job ends as a clean
+    one."""
+    cfg = runtime(tmp_path, fork_timeout_s=FORK_S, start_timeout_s=START_S, hang_timeout_s=10.0)
+    sup, results = toy_job(cfg, n_batches=400, work_s=0.02, own_server=True)
+
+    def forked_one(new):
+        return sup.group.server_pid == new and sup.children[0].proc is not None and not sup.children[0].ready
+    t, done = _strike_replacement(sup, forked_one)
+
+    def then_a_death():
+        t.join(120)
+        if "stopped" not in done:
+            return
+        # Every actor ready again (from the stopped server, or from one after it).
+        wait_for(lambda: all(c.ready for c in sup.children), "every actor ready", 120)
+        if sup.group.server_pid == done["stopped"]:
+            done["killed"] = sup.children[-1].proc.pid
+            os.kill(done["killed"], signal.SIGKILL)
+    killer = threading.Thread(target=then_a_death, daemon=True)
+    killer.start()
+    result = sup.run()
+    killer.join(5)
+    assert "error" not in done, done
+    assert result.state is JobState.DONE, result.reason
+    assert_exactly_once(sup, results, result, 400)
+    assert result.restarts["forkserver"] == 2
+    run = tmp_path / "run"
+    lost = events(run, "forkserver_lost")
+    assert [e["pid"] for e in lost] == [done["first"], done["stopped"]]
+    assert "is stopped and did not fork within 1s" in lost[1]["reason"]
+    assert _longest_silence(run) < START_S
+    assert all_gone([done["stopped"]], 5.0)

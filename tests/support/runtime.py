@@ -127,12 +127,12 @@ def all_gone(pids, within_s: float) -> bool:
     return True
 
 
-def wait_for(cond, what: str, timeout: float = 90.0):
-    """``cond()``'s first truthy value, polled every 10 ms; TimeoutError naming ``what``."""
+def wait_for(cond, what: str, timeout: float = 90.0, poll_s: float = 0.01):
+    """``cond()``'s first truthy value, polled every ``poll_s``; TimeoutError naming ``what``."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         r = cond()
         if r:
             return r
-        time.sleep(0.01)
+        time.sleep(poll_s)
     raise TimeoutError(what)

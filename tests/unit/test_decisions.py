@@ -113,3 +113,92 @@ def test_a_hung_actor_is_killed_by_health_and_restarted(tmp_path):
     assert [h["actor"] for h in hang] == ["target.0"] and hang[0]["reason"].startswith("no heartbeat for")
     died = events(tmp_path / "run", "died")
     assert len(died) == 1 and died[0]["reason"].startswith("hung: no heartbeat for") and 5 in died[0]["put_back"]
+
+
+# -- gangs and the fork server, in memory ------------------------------------------
+
+
+def gang_job(tmp_path, n=N, **script):
+    """Loader -> a target gang of two ranks -> one drafter, in memory."""
+    rt = {k: script.pop(k) for k in ("max_restarts", "restart_window_s", "hang_timeout_s") if k in script}
+    sup, _ = toy_job(runtime(tmp_path, **rt), n_batches=n, target_gang=2, group=MemoryGroup.factory(**script))
+    return sup
+
+
+def test_a_gang_whose_rank_dies_ends_and_restarts_as_one_actor(tmp_path):
+    sup = gang_job(tmp_path, fates={("target.0", 9): "rank dies"})
+    result = sup.run()
+    assert result.state is JobState.DONE, result.reason
+    assert_all_once(sup, result)
+    assert result.restarts == {"loader.0": 0, "target.0": 1, "drafter.0": 0}
+    died = events(tmp_path / "run", "died")
+    assert [(d["actor"], d["reason"]) for d in died] == [("target.0", "rank 1 killed by SIGKILL")]
+    assert 9 in died[0]["put_back"]
+    spawns = [e for e in events(tmp_path / "run", "spawn") if e["actor"] == "target.0"]
+    assert len(spawns) == 2 and all(len(e["ranks"]) == 2 for e in spawns)
+    assert len(set(spawns[0]["ranks"]) | set(spawns[1]["ranks"])) == 4, "a rank outlived its gang"
+
+
+def test_a_gangs_hung_rank_is_killed_by_the_supervisor_and_the_gang_restarted(tmp_path):
+    sup = gang_job(tmp_path, hang_timeout_s=0.3, fates={("target.0", 6): "rank hangs"})
+    result = sup.run()
+    assert result.state is JobState.DONE, result.reason
+    assert_all_once(sup, result)
+    assert result.restarts["target.0"] == 1
+    hang = events(tmp_path / "run", "hang")
+    assert [h["actor"] for h in hang] == ["target.0"] and hang[0]["reason"].startswith("rank 1: no heartbeat")
+    died = events(tmp_path / "run", "died")
+    assert len(died) == 1 and died[0]["reason"].startswith("rank 1 hung: rank 1: no heartbeat")
+
+
+def test_a_lost_fork_server_is_one_restart_event_and_no_actor_is_charged(tmp_path):
+    sup = gang_job(tmp_path, server=True, server_fates={12: "die"})
+    first = sup.group.server_pid
+    result = sup.run()
+    assert result.state is JobState.DONE, result.reason
+    assert_all_once(sup, result)
+    assert result.restarts == {"loader.0": 0, "target.0": 0, "drafter.0": 0, "forkserver": 1}
+    assert all(c.policy.recent == 0 for c in sup.children), "an actor's restart intensity was charged"
+    run = tmp_path / "run"
+    lost = events(run, "forkserver_lost")
+    assert [(e["pid"], e["reason"]) for e in lost] == [(first, f"the fork server (pid {first}) killed by SIGKILL")]
+    died = events(run, "died")
+    assert sorted(d["actor"] for d in died) == ["drafter.0", "loader.0", "target.0"]
+    assert all("its fork server was lost" in d["reason"] and d["decision"] == "restart" for d in died)
+    servers = [e["pid"] for e in events(run, "forkserver")]
+    assert servers[0] == first and len(servers) == 2 and sup.group.server_pid == servers[1]
+    assert sup.status()["forkserver_restarts"] == 1
+
+
+def test_a_stopped_fork_server_is_lost_at_the_next_fork_and_replaced(tmp_path):
+    """Stopped, it serves no fork; the actors it forked go on until one dies: that death
+    is the actor's own (charged), the failed fork is the server's loss."""
+    sup = gang_job(tmp_path, server=True, server_fates={10: "stop"}, fates={("drafter.0", 14): "die"})
+    result = sup.run()
+    assert result.state is JobState.DONE, result.reason
+    assert_all_once(sup, result)
+    assert result.restarts == {"loader.0": 0, "target.0": 0, "drafter.0": 1, "forkserver": 1}
+    lost = events(tmp_path / "run", "forkserver_lost")
+    assert len(lost) == 1 and "is stopped and did not fork within 10s" in lost[0]["reason"]
+
+
+def test_a_fork_server_lost_past_its_intensity_gives_way_to_spawn(tmp_path):
+    sup = gang_job(tmp_path, max_restarts=1, restart_window_s=300, server=True,
+                   server_fates={8: "die", 20: "die"})
+    result = sup.run()
+    assert result.state is JobState.DONE, result.reason
+    assert_all_once(sup, result)
+    assert result.restarts["forkserver"] == 2
+    assert sup.group.start_method == "spawn" and sup.status()["forkserver_pid"] is None
+    given_up = events(tmp_path / "run", "forkserver_given_up")
+    assert len(given_up) == 1 and "lost 2 times within 300s (max_restarts=1)" in given_up[0]["reason"]
+
+
+def test_a_replacement_server_that_will_not_start_gives_way_to_spawn(tmp_path):
+    sup = gang_job(tmp_path, server=True, server_fates={8: "die"}, replace_failures=1)
+    result = sup.run()
+    assert result.state is JobState.DONE, result.reason
+    assert_all_once(sup, result)
+    assert sup.group.start_method == "spawn"
+    (given_up,) = events(tmp_path / "run", "forkserver_given_up")
+    assert "a new one did not start: RuntimeError: the new server did not start (told to)" in given_up["reason"]

@@ -2,7 +2,9 @@
 boot's refusal to run in a fork that inherited initialised CUDA."""
 
 import os
+import signal
 import sys
+import time
 
 import psutil
 import pytest
@@ -53,3 +55,35 @@ def test_a_fork_with_initialised_cuda_is_refused_plainly(monkeypatch):
         boot._check_fork_is_cuda_safe()
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
     boot._check_fork_is_cuda_safe()
+
+
+def test_a_fork_from_a_stopped_server_fails_within_the_fork_timeout_even_while_it_imports():
+    """A stopped server's imports do not advance: its first fork, which may wait
+    ``first_fork_timeout_s`` for them, fails once it has been stopped ``fork_timeout_s``."""
+    starter = forking.ForkServerStarter()
+    starter.set_timeouts(start_timeout_s=120.0, fork_timeout_s=0.5)
+    pid = starter.start(["dflash_actors.runtime.forker", "json"], os.getpid())
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(forking.ForkServerError, match=r"is stopped and did not fork within 0.5s"):
+            starter.Process(target=_exit_with_parent_pid_mod_256).start()
+        assert time.monotonic() - t0 < 10.0, "waited as for a server importing"
+    finally:
+        starter.stop(wait_s=0.0)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_child_that_does_not_read_its_arguments_does_not_block_the_hand_over():
+    """More than a pipe holds, to a reader that never reads: the call returns at once,
+    and the rest goes when (if) the reader takes it."""
+    r, w = os.pipe()
+    data = bytes(range(256)) * 4096     # 1 MiB
+    t0 = time.monotonic()
+    forking._hand_over(w, memoryview(data))
+    assert time.monotonic() - t0 < 1.0
+    got = bytearray()
+    with open(r, "rb") as f:
+        while chunk := f.read(65536):
+            got += chunk
+    assert bytes(got) == data
