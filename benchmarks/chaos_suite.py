@@ -43,13 +43,20 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import ROOT, events
-from dflash_actors.tools.chaos import restart_times
+from dflash_actors.tools.chaos import restart_gap, restart_times
 
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
+START_TIMEOUT_S = 120
+HANG_TIMEOUT_S = 10
+GAP_LIMIT_S = max(START_TIMEOUT_S, HANG_TIMEOUT_S)
+"""No restart may leave ``events.log`` silent longer than this (``restart_gap``): past it
+a start or hang timeout should have fired and said so. (Issue 55: 1,070 s of silence
+after a fork server was stopped, with no timeout firing.)"""
 INTERNAL_FAULTS = 12
 COMMON = ["--set", "data.synthetic.num_samples=128", "--set", "data.synthetic.heldout_samples=4",
           "--set", "train.checkpoint_every=4", "--set", "runtime.heartbeat_s=0.2",
-          "--set", "runtime.hang_timeout_s=10", "--set", "runtime.grace_s=5", "--set", "runtime.max_restarts=30",
+          "--set", f"runtime.hang_timeout_s={HANG_TIMEOUT_S}", "--set", f"runtime.start_timeout_s={START_TIMEOUT_S}",
+          "--set", "runtime.grace_s=5", "--set", "runtime.max_restarts=30",
           "--set", f"data.cache_dir={ROOT / '.cache'}"]
 # Long enough for every event to land while the job runs (restarts take a fraction of
 # a second, so chaos barely slows it): at 100 epochs (41 s clean) 2-2 ended before 27 of
@@ -161,7 +168,7 @@ def run_job(name: str, job: dict, base: Path) -> dict:
                                    if k.endswith(("kills", "stops")) and isinstance(v, int) and v})
     by_kind.update(fired(ext_dir))
     harness.say(f"{name}: external {ext_s:.0f} s, {driver}")
-    runs, restarts = [ext], restart_times(ext_dir)
+    runs, restarts, gaps = [ext], restart_times(ext_dir), [restart_gap(ext_dir)]
     internal_s = None
     if job["internal"]:
         harness.say(f"{name}: internal chaos: launch.py --chaos {SEED} ({INTERNAL_FAULTS} faults) ...")
@@ -171,8 +178,12 @@ def run_job(name: str, job: dict, base: Path) -> dict:
         internal = fired(int_dir)
         by_kind.update({f"internal_{k}": v for k, v in internal.items()})
         restarts += restart_times(int_dir)
+        gaps.append(restart_gap(int_dir))
         harness.say(f"{name}: internal {internal_s:.0f} s, {sum(internal.values())} faults fired")
     counted = all(r["batches_lost"] is not None for r in runs)
+    if max(gaps) > GAP_LIMIT_S:
+        runs[0]["problems"].append(f"events.log silent {max(gaps):.0f} s during a restart "
+                                   f"(the start and hang timeouts: {START_TIMEOUT_S} s, {HANG_TIMEOUT_S} s)")
     return {"job": name, "batches": total, "faults": sum(by_kind.values()),
             "faults_by_kind": dict(sorted(by_kind.items())), "stop_cont": driver.get("stop_cont"),
             "batches_lost": sum(r["batches_lost"] for r in runs) if counted else None,
@@ -180,6 +191,7 @@ def run_job(name: str, job: dict, base: Path) -> dict:
             "bit_identical": all(r["bit_identical"] for r in runs),
             "restart_s_median": round(statistics.median(restarts), 2) if restarts else None,
             "restart_s_max": round(max(restarts), 2) if restarts else None,
+            "restart_silence_s_max": round(max(gaps), 2),
             "supervisor_restart_s_median": driver.get("supervisor_restart_s_median"),
             "processes_tracked": driver.get("processes_seen"),
             "clean_s": round(clean_s, 1), "wall_over_clean": round(ext_s / clean_s, 2),

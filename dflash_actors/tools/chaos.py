@@ -109,6 +109,29 @@ def restart_times(run_dir: Path) -> list[float]:
     return out
 
 
+def restart_gap(run_dir: Path) -> float:
+    """From ``events.log``: the longest silence (seconds between two lines) while some
+    actor was on its way up (spawned, or died to be restarted, and not yet Ready),
+    within each supervisor's life. Training between restarts logs nothing and counts
+    for nothing here; a restart that stalls shows as a silence that no start or hang
+    timeout ended."""
+    longest, pending, last = 0.0, set(), None
+    path = run_dir / "events.log"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        e = json.loads(line)
+        if e["event"] == "start":
+            pending, last = set(), None
+        if pending and last is not None:
+            longest = max(longest, e["mono"] - last)
+        last = e["mono"]
+        actor = e.get("actor")
+        if e["event"] == "spawn" or (e["event"] == "died" and e.get("decision") == "restart"):
+            pending.add(actor)
+        elif e["event"] in ("ready", "exit", "give_up") or (e["event"] == "died" and actor in pending):
+            pending.discard(actor)
+    return longest
+
+
 class Driver:
     """Runs one job under external strikes (module docstring), resuming it after every
     death of its supervisor, and keeps every process of the job it has seen
