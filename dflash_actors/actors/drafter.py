@@ -14,9 +14,12 @@ Contract:
               step   on the device, in ``p.grad``; stored into ``GradAccumulators``
                      once, on the drafter's last batch of the step
             the base then commits GRAD_DONE and the feature slot is freed
-  waits for nothing: the supervisor sends batch b only once every batch of the steps
-            before s is committed, i.e. once the optimizer has published version s
-            (the stage's ``barrier``), so the weights it needs are always there
+  waits for weight version s (``ready``): the supervisor sends batch b once every
+            batch of the steps before s has its gradient durably summed (the stage's
+            ``barrier``, ``early`` in the pipelined schedule; in lock-step, once they
+            are committed), and the drafter waits on the shared version itself, which
+            the optimizer publishes before its commit reaches the supervisor. The
+            wait is not in the batch's work time; a Stop ends it (nothing committed)
   on restart rebuilds the module (cheap: weights come from the store); a batch the
             header already names is not added again. With ``batch`` the next batch
             continues from the committed running sum; with ``step`` the sum of the
@@ -69,6 +72,8 @@ class DrafterSpec:
 
 class Drafter(Actor):
     spec: DrafterSpec
+    FAULT_POINTS = (*Actor.FAULT_POINTS, "wait")
+    """``wait``: while it waits for the weights of its batch's step (``ready``)."""
 
     def attach(self) -> None:
         self.j = self.ctx.index
@@ -95,6 +100,12 @@ class Drafter(Actor):
         self.spec.weights.pin(self.device, moments=False)
         self.cold = self.device.type == "cuda"
         """The next batch is this process's first on a GPU: it compiles flex attention."""
+
+    def ready(self, w) -> bool:
+        """Version ``step_of(b)`` is published (or b was added before a kill, and needs
+        no weights). It cannot be later: that step needs b's gradient."""
+        b = w.batch_id
+        return self.spec.weights.version >= self.spec.schedule.step_of(b) or self.spec.grads.last_batch(self.j) >= b
 
     def poison(self, w) -> None:
         self.nan_batch = w.batch_id

@@ -7,10 +7,11 @@ Contract:
             step s it reads every drafter's sum for s.
   produces  step s (``optim.reduce_and_step``, the reference's step math); the step's
             metrics row; then weights + moments of version s+1 in the inactive buffer
-            and the version store (commit point). The base then commits COMMITTED,
-            which is what lets the supervisor send the drafters the batches of step
-            s+1; only after that (``after_commit``, while the drafters work) comes the
-            checkpoint of every ``train.checkpoint_every``-th version.
+            and the version store (commit point), which is what the drafters, already
+            holding their batches of step s+1, wait for (``Drafter.ready``). The base
+            then commits COMMITTED; only after that (``after_commit``, while the
+            drafters work) comes the checkpoint of every ``train.checkpoint_every``-th
+            version.
             A step whose loss or summed gradient is not finite is skipped
             (``optim.skip_step``: no update, the schedule moves on) and logged
             (``bad_step``); more than ``train.max_bad_steps`` in a row stop the job

@@ -68,6 +68,19 @@ PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 
                "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 
 
+TENSORBOARD_QUEUE = 4096
+"""Events TensorBoard's writer may hold before ``add_scalar`` waits for it to write (about
+20 per step)."""
+
+
+def _summary_writer():
+    """``SummaryWriter``, or None where ``tensorboard`` is not installed."""
+    if importlib.util.find_spec("tensorboard") is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter
+
+
 class Monitor:
     """What the job records and shows while one supervisor runs (module docstring);
     ``update`` is called with each status, through ``status.JobStatus``."""
@@ -92,6 +105,9 @@ class Monitor:
         self.block: Optional[dict] = None       # the newest training block
         self.shown = -1                         # the step of the last progress line
         self.tb = None
+        self.tb_writer = _summary_writer() if cfg.monitor.tensorboard else None
+        """TensorBoard's writer class, imported here: the import takes a fifth of a second,
+        which inside ``update`` would hold up the supervisor's routing of batches."""
         self.failed = False
         self.on_error: Optional[Callable[[str], None]] = None
         self.unwritable = False             # metrics.jsonl failed: no more appends
@@ -242,11 +258,14 @@ class Monitor:
         if not steps or not self.cfg.monitor.tensorboard:
             return
         if self.tb is None:
-            if importlib.util.find_spec("tensorboard") is None:
+            if self.tb_writer is None:
                 return
-            from torch.utils.tensorboard import SummaryWriter
             # A resumed run rewrites the steps after its checkpoint, as metrics.jsonl does.
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.first + 1)
+            # Its default queue of 10 events fills within a step, and every add_scalar
+            # then waits for its writer thread: in the supervisor's loop, where every
+            # batch's Done is read. Room for a minute of steps never waits.
+            self.tb = self.tb_writer(str(self.run_dir / "tensorboard"), purge_step=self.first + 1,
+                                     max_queue=TENSORBOARD_QUEUE)
         for x in steps:
             scalars = {"train/loss": x["loss"], "train/simulated_tau": x["tau"], "train/lr": x["lr"],
                        "train/grad_norm": x["grad_norm"], "perf/tokens_per_s": x["tokens_per_s"],

@@ -26,6 +26,7 @@ hung actor is told apart from a slow one.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import enum
@@ -197,6 +198,13 @@ class Actor:
         complete (CUDA writers synchronize first). The base commits the ledger after."""
         raise NotImplementedError
 
+    def ready(self, w: Work) -> bool:
+        """Whether the inputs of ``w`` that its stage leaves to the actor to wait for are
+        there (``dispatch.Stage.early``: what the later stages publish in shared
+        memory). ``work`` starts only once this says yes; the wait is not work (not in
+        its span nor its time) and ends early on ``Stop``."""
+        return True
+
     def after_commit(self, w: Work) -> None:
         """Work that may follow the commit of ``w`` (its Done is already sent, so the
         next stage can start): the batch is final, and a kill in here loses nothing the
@@ -299,20 +307,23 @@ def actor_main(cls: type, ctx: ActorContext) -> None:
 
 
 def _serve(actor: Actor, ctx: ActorContext) -> None:
-    """Do Work as it comes: ``work``, the ledger commit, Done, then ``after_commit``;
-    beat while idle. Raises Shutdown on Stop."""
+    """Do Work as it comes: wait until it is ``ready``, then ``work``, the ledger commit,
+    Done, then ``after_commit``; beat while idle. Raises Shutdown on Stop."""
     hb, n, conn = ctx.heartbeats, ctx.number, ctx.conn
     times = ctx.work_times.numpy() if ctx.work_times is not None else None
+    queued: collections.deque = collections.deque()     # read while waiting for a Work to be ready
     done = 0
     while True:
-        if not conn.poll(ctx.heartbeat_s):
+        if not queued and not conn.poll(ctx.heartbeat_s):
             hb.set(n)
             continue
-        msg = conn.recv()
+        msg = queued.popleft() if queued else conn.recv()
         if isinstance(msg, Stop):
             raise Shutdown(msg.reason)
         if not isinstance(msg, Work):
             raise TypeError(f"unexpected message {msg!r}")
+        if not actor.ready(msg):
+            _wait_ready(actor, msg, queued)
         t0 = time.monotonic()
         hb.set(n, phase=Phase.WORKING, batch=msg.batch_id, work_t0=t0)
         b, tracer = msg.batch_id, actor.tracer
@@ -341,6 +352,34 @@ def _serve(actor: Actor, ctx: ActorContext) -> None:
         done += 1
         hb.set(n, phase=Phase.IDLE, batch=-1, done=done, busy=hb.busy(n, time.monotonic()), work_t0=0,
                **gpu_memory())
+
+
+READY_POLL_S = 50e-6
+READY_POLL_SHARE = 0.05
+"""``_wait_ready`` looks again after ``READY_POLL_S``, or after this share of the time it
+has waited so far if longer: a wait of a few milliseconds (an optimizer step) ends
+within a fraction of one, and a long one (an actor restarting) costs few wake-ups."""
+
+
+def _wait_ready(actor: Actor, w: Work, queued: collections.deque) -> None:
+    """Wait, beating, until ``actor.ready(w)``. Messages that come meanwhile queue up
+    behind ``w``; a ``Stop`` among them ends the wait (Shutdown): the supervisor is
+    stopping and may never send what ``w`` waits for, and ``w``, not committed, is
+    simply not done. An actor that lists the fault point ``wait`` can be struck here."""
+    ctx = actor.ctx
+    actor.fault_point("wait", w.batch_id)
+    t0 = beat = time.monotonic()
+    with actor.span("wait", w.batch_id):
+        while not actor.ready(w):
+            while ctx.conn.poll():
+                queued.append(ctx.conn.recv())
+                if isinstance(queued[-1], Stop):
+                    raise Shutdown(queued[-1].reason)
+            now = time.monotonic()
+            if now - beat >= ctx.heartbeat_s:
+                ctx.heartbeats.set(ctx.number)
+                beat = now
+            time.sleep(max(READY_POLL_S, READY_POLL_SHARE * (now - t0)))
 
 
 def gpu_memory() -> dict[str, float]:

@@ -15,8 +15,10 @@ Rules, chosen so that restarts never change what a consumer sees:
     replacement resumes the same sequence. The route is the caller's rule (the
     training job's is ``Schedule.drafter_of``), asked, never re-derived here;
   * a stage with a ``barrier`` sends batch b only once every batch below
-    ``barrier(b)`` has reached the final state (the training job's drafters wait
-    this way for the weights of their step, which the last stage publishes);
+    ``barrier(b)`` has reached the final state; an ``early`` one, once every such
+    batch is through the stage for good, and its actor waits by itself for the rest
+    (the training job's drafters wait this way for the weights of their step, which
+    the last stage publishes: see ``Stage.early``);
   * a stage with a ``gather`` sends batch b only once every batch of ``gather(b)``
     (a range of ids) has reached the stage: groups move through the stages together,
     as in a lock-step loop (the training job's ``runtime.schedule: lockstep``);
@@ -70,6 +72,17 @@ class Stage:
     None: any free actor takes the lowest ready batch."""
     barrier: Optional[Callable[[int], int]] = None
     """Batch id -> the id below which every batch must be final before it goes out."""
+    early: bool = False
+    """With a barrier: batch b goes out once every batch below ``barrier(b)`` is through
+    this stage for good (done here and durable: nothing but the later stages stands
+    between it and the final state), not once they are final. The actor then waits
+    by itself, on shared memory, for what the later stages publish
+    (``actor.Actor.ready``). The training job's drafters do so: the optimizer's
+    commit reaching the supervisor, and the supervisor's Work reaching the drafter,
+    were two process wake-ups on every step's critical chain; the weight version
+    the drafter waits for is written before either. Nothing later may have an input
+    ring: a batch past this stage never goes back (so no actor of it can wait on a
+    batch that must come through it again)."""
     gather: Optional[Callable[[int], range]] = None
     """Batch id -> its group: no batch of the group goes out before all have arrived."""
     durable: Optional[Callable[[int], bool]] = None
@@ -114,7 +127,9 @@ class Dispatcher:
         for a, b in zip(stages, stages[1:]):
             if a.to_state != b.from_state or a.out_ring != b.in_ring:
                 raise ValueError(f"stage {b.role} does not consume what {a.role} produces")
-        for st in stages:
+        for i, st in enumerate(stages):
+            if st.early and (st.barrier is None or any(later.in_ring for later in stages[i + 1:])):
+                raise ValueError(f"stage {st.role}: early needs a barrier, and no later stage with an input ring")
             if st.durable is not None and (st.route is None or st is stages[-1]):
                 raise ValueError(f"stage {st.role}: durable needs a route (results are redone per actor) "
                                  "and a later stage (which waits for them)")
@@ -151,6 +166,12 @@ class Dispatcher:
                 self._arrive(k, b)
         self._frontier = 0
         self._advance_frontier()
+        # Early stages: which batches are through each for good, and the lowest that is not.
+        self._through: dict[int, list[bool]] = {
+            i: [ledger.state(b) >= st.to_state for b in range(self._n)] for i, st in enumerate(stages) if st.early}
+        self._through_frontier = {i: 0 for i in self._through}
+        for i in self._through:
+            self._advance_through(i)
         # Routed stages: each actor's batch ids in order, and a cursor into them.
         self._sequence: dict[int, list[int]] = {}
         self._cursor: dict[int, int] = {}
@@ -246,6 +267,10 @@ class Dispatcher:
                             continue
                         break
                     out.append((n, w))
+        # Sent later stages first: the step's critical chain runs through the last
+        # stages (the optimizer's Work opens every drafter's next step), and each send
+        # is a pickle and a pipe write. The decisions above do not depend on this order.
+        out.sort(key=lambda sent: -self.members[sent[0]][0])
         return out
 
     # -- queries --------------------------------------------------------------
@@ -269,7 +294,8 @@ class Dispatcher:
         stage = self.stages[i]
         if b in self._pending:
             return False
-        if stage.barrier is not None and stage.barrier(b) > self._frontier:
+        if stage.barrier is not None and stage.barrier(b) > (self._through_frontier[i] if stage.early
+                                                             else self._frontier):
             return False
         if stage.gather is not None:
             group = stage.gather(b)
@@ -334,13 +360,20 @@ class Dispatcher:
         if stage.in_ring is not None:
             self.pools[stage.in_ring].give(old)
         self._held[n].remove(b)
+        through = [b]
         if stage.durable is not None:
             if stage.durable(b):
+                through += self._provisional[n]
                 self._pending.difference_update(self._provisional[n])
                 self._provisional[n] = []
             else:
+                through = []
                 self._provisional[n].append(b)
                 self._pending.add(b)
+        if stage.early:
+            for c in through:
+                self._through[i][c] = True
+            self._advance_through(i)
         if i + 1 < len(self.stages):
             self._push(i + 1, b)
             self._arrive(i + 1, b)
@@ -353,6 +386,13 @@ class Dispatcher:
         """The lowest batch id not yet settled in the final state."""
         while self._frontier < self._n and self._final[self._frontier]:
             self._frontier += 1
+
+    def _advance_through(self, i: int) -> None:
+        """Early stage i: the lowest batch id not yet through it for good."""
+        through, f = self._through[i], self._through_frontier[i]
+        while f < self._n and through[f]:
+            f += 1
+        self._through_frontier[i] = f
 
     def _skip_done(self, n: int) -> None:
         i, _ = self.members[n]

@@ -43,6 +43,7 @@ P is the drafter's parameter count, flattened in ``named_parameters`` order.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,23 @@ def _shared(*shape, dtype=torch.float32) -> torch.Tensor:
     return torch.zeros(*shape, dtype=dtype).share_memory_()
 
 
+_FENCE = threading.Lock()
+_FENCE.acquire()        # held for the process's life: ``fence`` only releases and retakes it
+
+
+def fence() -> None:
+    """Orders this process's memory accesses before the call against those after it, as
+    other cores see them. A drafter now reads the published ``version`` with no pipe
+    message in between (``Drafter.ready``), and a weakly ordered CPU (Arm: Grace) may
+    otherwise show the version store before the last weight stores, or satisfy a weight
+    load before the version load. A lock's release (a store-release) followed by its
+    acquire (a load-acquire) is ordered both ways, and orders what comes before the
+    release before what comes after the acquire. On x86 it costs a few nanoseconds and
+    changes nothing: stores are not reordered with stores, nor loads with loads."""
+    _FENCE.release()
+    _FENCE.acquire()
+
+
 class WeightStore:
     """Double-buffered weights + AdamW moments with a version commit point."""
 
@@ -114,7 +132,9 @@ class WeightStore:
 
     @property
     def version(self) -> int:
-        return int(self.version_t[0])
+        v = int(self.version_t[0])
+        fence()         # the weights of v are read after v is (see ``fence``)
+        return v
 
     def problem(self, first: int, last: int) -> str | None:
         """Why the committed state cannot be trusted, or None. A kill cannot cause any of
@@ -172,6 +192,7 @@ class WeightStore:
                         dst.copy_(src)
         if midway is not None:
             midway()
+        fence()         # every store of the state before the version's (see ``fence``)
         self.version_t[0] = version
 
 

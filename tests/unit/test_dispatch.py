@@ -52,10 +52,12 @@ def _complete(d, ledger, stages, a, b):
     d.on_done(a, b)
 
 
-def _drive(d, ledger, stages, rng, kill_every=0, check=None, done=None, died=None):
+def _drive(d, ledger, stages, rng, kill_every=0, check=None, done=None, died=None, blocked=None):
     """Random completion order; optionally a death (without commit) every few steps,
     ``check(actor, work)`` on every dispatch, ``done(actor, batch)`` before each
-    commit and ``died(actor, redone)`` after each death."""
+    commit and ``died(actor, redone)`` after each death. ``blocked(actor, batch)``: the
+    actor cannot finish that batch yet (it waits, as an early stage's actor does); it
+    can still die while it waits."""
     inbox = {a: [] for a in d.members}
     steps = 0
     while not d.finished():
@@ -65,10 +67,12 @@ def _drive(d, ledger, stages, rng, kill_every=0, check=None, done=None, died=Non
                 check(a, w)
             inbox[a].append(w)
         busy = [a for a in inbox if inbox[a]]
-        assert busy, "deadlock: nothing in flight and not finished"
-        a = rng.choice(busy)
+        free = [a for a in busy if blocked is None or not blocked(a, inbox[a][0].batch_id)]
+        assert free, "deadlock: nothing in flight that can finish, and not finished"
         steps += 1
-        if kill_every and steps % kill_every == 0:
+        dies = kill_every and steps % kill_every == 0
+        a = rng.choice(busy if dies else free)
+        if dies:
             settled, put_back, redone = d.on_death(a)
             assert sorted(settled + put_back) == sorted(w.batch_id for w in inbox[a])
             if died is not None:
@@ -220,14 +224,16 @@ class GradDone(enum.IntEnum):
     PLANNED, LOADED, FEATURED, GRAD_DONE, COMMITTED = range(5)
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("kill_every", [0, 3, 5])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_results_kept_in_memory_are_redone_after_a_death_with_full_rings(kill_every, seed):
+def test_results_kept_in_memory_are_redone_after_a_death_with_full_rings(kill_every, seed, early):
     """The training job's ``grad_durability: step``: each drafter keeps its running sum
     of a step (2 drafters x 2 batches) in memory and makes it durable on its last
     batch. Deaths lose the memory; the batches it held are made again from the loader,
     through rings of 2 slots that later batches keep full, and every step's sums hold
-    exactly its batches, once."""
+    exactly its batches, once. ``early``: drafters get a step's batches once the step
+    before is durably summed, and wait (and die while waiting) for its commit."""
     per_step, m = 4, 2
     step = lambda b: b // per_step                                           # noqa: E731
     last_of_drafter = lambda b: b + m >= (step(b) + 1) * per_step            # noqa: E731
@@ -235,7 +241,8 @@ def test_results_kept_in_memory_are_redone_after_a_death_with_full_rings(kill_ev
               Stage("target", Actor, GradDone.LOADED, GradDone.FEATURED, count=2, in_ring="batch",
                     out_ring="features", credit=1),
               Stage("drafter", Actor, GradDone.FEATURED, GradDone.GRAD_DONE, count=m, in_ring="features",
-                    route=lambda b: b % m, barrier=lambda b: step(b) * per_step, durable=last_of_drafter),
+                    route=lambda b: b % m, barrier=lambda b: step(b) * per_step, durable=last_of_drafter,
+                    early=early),
               Stage("optimizer", Actor, GradDone.GRAD_DONE, GradDone.COMMITTED, route=in_order, credit=per_step)]
     n = 40
     ledger = Ledger.allocate(n)
@@ -267,13 +274,73 @@ def test_results_kept_in_memory_are_redone_after_a_death_with_full_rings(kill_ev
         else:
             assert redone == []
 
-    _drive(d, ledger, stages, random.Random(seed), kill_every, done=done, died=died)
+    waited = []
+
+    def check(a, w):
+        if a in drafters:
+            b = w.batch_id
+            # Every batch of the steps before is durably summed, if not yet committed.
+            assert all(ledger.state(c) >= GradDone.GRAD_DONE and c not in d._pending
+                       for c in range(step(b) * per_step))
+            if not all(ledger.state(c) == GradDone.COMMITTED for c in range(step(b) * per_step)):
+                assert early
+                waited.append(b)
+
+    def blocked(a, b):   # a drafter's batch needs the weights of its step: every batch before committed
+        return a in drafters and not all(ledger.state(c) == GradDone.COMMITTED for c in range(step(b) * per_step))
+
+    _drive(d, ledger, stages, random.Random(seed), kill_every, check=check, done=done, died=died, blocked=blocked)
+    assert bool(waited) == early
     assert sorted(d.committed) == list(range(n)) and steps_taken == list(range(n // per_step))
     assert all(p["used"] == 0 for p in d.occupancy().values())
     if kill_every:
         assert d.redone and d.evicted        # the case this is about did happen
     else:
         assert not d.redone and not d.evicted
+
+
+def test_an_early_barrier_opens_once_earlier_batches_are_through_the_stage():
+    """As the barrier test above, with ``early``: step 1 goes out once step 0 is done at
+    the worker, before the sink has committed any of it; a death of the sink puts
+    its batches back and keeps that open."""
+    stages = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", credit=8),
+              Stage("worker", Actor, State.LOADED, State.FEATURED, in_ring="batch", route=in_order, credit=8,
+                    barrier=lambda b: b - b % 4, early=True),
+              Stage("sink", Actor, State.FEATURED, State.COMMITTED, route=in_order, credit=8)]
+    ledger = Ledger.allocate(12)
+    d = Dispatcher(stages, [_ring("batch", 12)], ledger, _members(stages))
+    for a in (0, 1, 2):
+        d.on_ready(a)
+    for _, w in d.dispatch():                 # load everything
+        ledger.commit(w.batch_id, State.LOADED)
+        d.on_done(0, w.batch_id)
+    assert [w.batch_id for a, w in d.dispatch() if a == 1] == [0, 1, 2, 3]
+    for b in range(3):
+        ledger.commit(b, State.FEATURED)
+        d.on_done(1, b)
+    sent = d.dispatch()
+    assert [(a, w.batch_id) for a, w in sent] == [(2, 0), (2, 1), (2, 2)]   # batch 3 still at the worker
+    ledger.commit(3, State.FEATURED)
+    d.on_done(1, 3)
+    sent = d.dispatch()
+    # Later stages first; step 1 goes to the worker with nothing committed yet.
+    assert [(a, w.batch_id) for a, w in sent] == [(2, 3), (1, 4), (1, 5), (1, 6), (1, 7)]
+    assert ledger.counts(4)[State.COMMITTED] == 0
+    assert d.on_death(2) == ([], [0, 1, 2, 3], [])
+    d.on_ready(2)
+    assert [(a, w.batch_id) for a, w in d.dispatch()] == [(2, 0), (2, 1), (2, 2), (2, 3)]
+
+
+def test_an_early_stage_needs_a_barrier_and_no_ring_after_it():
+    rings = [_ring("batch", 1)]
+    no_barrier = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", early=True),
+                  Stage("drafter", Actor, State.LOADED, State.COMMITTED, in_ring="batch")]
+    ring_after = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", barrier=lambda b: b,
+                        early=True),
+                  Stage("drafter", Actor, State.LOADED, State.COMMITTED, in_ring="batch")]
+    for stages in (no_barrier, ring_after):
+        with pytest.raises(ValueError, match="early needs a barrier"):
+            Dispatcher(stages, rings, Ledger.allocate(1), {0: (0, 0), 1: (1, 0)})
 
 
 def test_done_that_the_ledger_contradicts_is_a_protocol_error():
