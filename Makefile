@@ -31,7 +31,7 @@ check: setup
 # (its jobs wait on starts, pipes and timeouts), and a file's module fixtures stay in one
 # worker. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
-test: setup
+test: setup peers
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not chaos and not serving" tests
 
 # The peers' own wheels, pinned in benchmarks/peers.py, into .cache/peers with peers.json
