@@ -162,12 +162,11 @@ def test_a_route_other_than_modulo_is_followed_and_survives_deaths():
         assert [b for b in d.committed if route(b) == j] == [b for b in range(30) if route(b) == j]
 
 
-def test_a_barrier_holds_a_stage_until_earlier_batches_are_final():
-    """A stage gated on the final state: batches of "step" k (4 ids each) go out only
-    once every batch of the steps before is committed."""
+def _stepped(early: bool = False):
+    """Loader -> worker (barrier: 4-batch steps) -> sink, every batch of 12 loaded."""
     stages = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", credit=8),
               Stage("worker", Actor, State.LOADED, State.FEATURED, in_ring="batch", route=in_order, credit=8,
-                    barrier=lambda b: b - b % 4),
+                    barrier=lambda b: b - b % 4, early=early),
               Stage("sink", Actor, State.FEATURED, State.COMMITTED, route=in_order, credit=8)]
     ledger = Ledger.allocate(12)
     d = Dispatcher(stages, [_ring("batch", 12)], ledger, _members(stages))
@@ -176,6 +175,13 @@ def test_a_barrier_holds_a_stage_until_earlier_batches_are_final():
     for _, w in d.dispatch():                 # load everything
         ledger.commit(w.batch_id, State.LOADED)
         d.on_done(0, w.batch_id)
+    return ledger, d
+
+
+def test_a_barrier_holds_a_stage_until_earlier_batches_are_final():
+    """A stage gated on the final state: batches of "step" k (4 ids each) go out only
+    once every batch of the steps before is committed."""
+    ledger, d = _stepped()
     sent = [w.batch_id for a, w in d.dispatch() if a == 1]
     assert sent == [0, 1, 2, 3]               # step 0 only
     for b in sent:
@@ -303,17 +309,7 @@ def test_an_early_barrier_opens_once_earlier_batches_are_through_the_stage():
     """As the barrier test above, with ``early``: step 1 goes out once step 0 is done at
     the worker, before the sink has committed any of it; a death of the sink puts
     its batches back and keeps that open."""
-    stages = [Stage("loader", Actor, State.PLANNED, State.LOADED, out_ring="batch", credit=8),
-              Stage("worker", Actor, State.LOADED, State.FEATURED, in_ring="batch", route=in_order, credit=8,
-                    barrier=lambda b: b - b % 4, early=True),
-              Stage("sink", Actor, State.FEATURED, State.COMMITTED, route=in_order, credit=8)]
-    ledger = Ledger.allocate(12)
-    d = Dispatcher(stages, [_ring("batch", 12)], ledger, _members(stages))
-    for a in (0, 1, 2):
-        d.on_ready(a)
-    for _, w in d.dispatch():                 # load everything
-        ledger.commit(w.batch_id, State.LOADED)
-        d.on_done(0, w.batch_id)
+    ledger, d = _stepped(early=True)
     assert [w.batch_id for a, w in d.dispatch() if a == 1] == [0, 1, 2, 3]
     for b in range(3):
         ledger.commit(b, State.FEATURED)
