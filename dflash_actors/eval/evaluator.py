@@ -124,8 +124,10 @@ class Head:
 
 def prepare(cfg) -> tuple[DFlashDrafter, Head, HeldOut]:
     """The drafter to load versions into, the target's ``Head`` and the ``HeldOut`` set,
-    on ``eval.device``; the rest of the target is freed before this returns."""
-    target = load_target(cfg, cfg.eval.device)
+    on ``eval.device``; the rest of the target is freed before this returns. A job's
+    config comes here resolved by its memory plan; ``auto`` still standing means no plan
+    ran (a direct call), and the host is where the plan's own search ends."""
+    target = load_target(cfg, "cpu" if cfg.eval.device == "auto" else cfg.eval.device)
     drafter = build_drafter(cfg, target).eval()
     heldout = HeldOut(cfg, target, cfg.eval.max_samples, cfg.eval.real_prompts, cfg.eval.max_new_tokens)
     head = Head(target)
