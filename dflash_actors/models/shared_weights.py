@@ -135,9 +135,12 @@ def pack(model: nn.Module, midway: Optional[Callable[[], None]] = None) -> Share
 
 def share_target(path: Path, dtype: torch.dtype, midway: Optional[Callable[[], None]] = None) -> SharedWeights:
     """Load the target at ``path`` once on the CPU in ``dtype`` and pack it (``pack``)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    from .target_dir import attention_for
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                 attn_implementation=attention_for(AutoConfig.from_pretrained(path)))
     return pack(model, midway)
 
 
@@ -148,10 +151,11 @@ def build_on(path: Path, weights: SharedWeights, device: torch.device, dtype: to
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..runtime.channels import page_lock
+    from .target_dir import attention_for
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(config))
     shared = weights.tensors()
     names = {name for name, _ in _named_tensors(model)}
     if names != set(shared):

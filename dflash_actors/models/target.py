@@ -28,11 +28,11 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..console import first_line
 from . import tensor_parallel
-from .target_dir import resolve_target_dir
+from .target_dir import attention_for, resolve_target_dir
 from .tiny import ensure_tiny_target
 
 
@@ -190,7 +190,8 @@ def load_target(cfg, device: str | torch.device = "cpu",
     else:
         try:
             with weight_progress(progress):
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                             attn_implementation=attention_for(AutoConfig.from_pretrained(path)),
                                                              **placement(device))
         except (OSError, ValueError) as e:
             raise ValueError(f"target.path: cannot load a causal LM from {path} ({first_line(e)})") from None

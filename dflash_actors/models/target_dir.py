@@ -1,5 +1,6 @@
 """Where a target's files are: a local HF directory, a model shipped inside an installed
-package (``pkg:NAME``), or a GGUF file, dequantized once into an HF directory in the cache.
+package (``pkg:NAME``), or a GGUF file, dequantized once into an HF directory in the cache;
+and which attention transformers builds it with (``attention_for``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ from transformers import AutoModelForCausalLM
 
 from ..console import first_line
 from ..runtime.files import write_atomically
+
+
+def attention_for(config) -> str:
+    """The attention implementation to build a target of ``config`` with: ``sdpa`` where
+    its transformers class has it, else ``eager`` (gpt-oss: its attention sinks have no
+    SDPA path in transformers 5.25, which refuses ``sdpa`` outright). Both build the
+    per-sequence mask of a padded batch; the self-check holds either to the model's own
+    forward."""
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def _package_dir(name: str) -> Path:

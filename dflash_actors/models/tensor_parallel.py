@@ -72,16 +72,18 @@ def load_shard(path, dtype: torch.dtype, world: int, device: torch.device, weigh
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    from .target_dir import attention_for
+
     split = DistributedConfig(tp_plan="auto", tp_size=world)
+    config = AutoConfig.from_pretrained(path)
     with _placed_on(device):
         if weights is None:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_for(config),
                                                         distributed_config=split)
-        config = AutoConfig.from_pretrained(path)
         # The concrete class: the auto class insists on a checkpoint name beside a state dict.
         cls = AutoModelForCausalLM._model_mapping[type(config)]
         return cls.from_pretrained(None, config=config, state_dict=weights.tensors(state_only=True), dtype=dtype,
-                                   attn_implementation="sdpa", distributed_config=split)
+                                   attn_implementation=attention_for(config), distributed_config=split)
 
 
 @contextlib.contextmanager

@@ -223,11 +223,12 @@ def trace_target_forward(target_config, *, dtype: torch.dtype, rows: int, length
     from transformers import AutoModelForCausalLM
 
     from ..models.target import TargetModel
+    from ..models.target_dir import attention_for
     batch = packed_batch(rows, length)
     probe = probe_config(target_config, len(layer_ids))
     n = int(probe.num_hidden_layers)
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
-        model = AutoModelForCausalLM.from_config(probe, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(probe, dtype=dtype, attn_implementation=attention_for(probe))
         target = TargetModel(model, [max(0, n - len(layer_ids) + i) for i in range(len(layer_ids))], teacher=teacher)
         # The target actor writes straight into its feature slot, which the ring's part counts.
         slot = torch.empty(rows * length, len(target.feature_ids) * int(probe.hidden_size), dtype=dtype)
