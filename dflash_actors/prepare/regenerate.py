@@ -396,25 +396,6 @@ def template_opts(args: argparse.Namespace) -> dict:
 SERVER_DEFAULTS = ServerSettings(urls=())
 
 
-LOCAL_ENGINE_DEFAULTS = {"--batch-size": 16, "--device": "auto"}
-"""The in-process engine's own options; their flags default to None so that giving one
-with ``--server`` (which loads no target) can be told apart from leaving it out.
-(``--dtype`` is refused there by ``_check_settings``; ``--threads`` still bounds this
-process's own torch work.)"""
-
-
-def local_engine_options(args: argparse.Namespace) -> dict:
-    return {"--batch-size": args.batch_size, "--device": args.device}
-
-
-def fill_local_defaults(args: argparse.Namespace) -> None:
-    """The in-process engine's defaults, once ``server_settings`` has seen what was given."""
-    for flag, default in LOCAL_ENGINE_DEFAULTS.items():
-        name = flag[2:].replace("-", "_")
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-
-
 def server_settings(args: argparse.Namespace) -> ServerSettings | None:
     """The ``--server`` options as settings (None without ``--server``); the other
     serving options given without it are an error."""
@@ -426,8 +407,11 @@ def server_settings(args: argparse.Namespace) -> ServerSettings | None:
             flag = next(k for k, v in given.items() if v is not None) if args.check is None else "--check"
             raise PrepareError(f"{flag} applies to the serving engine: add --server URL")
         return None
-    if args.check is None:      # --check still runs the target here, beside the server
-        local = next((k for k, v in local_engine_options(args).items() if v is not None), None)
+    # The in-process engine's own options default to None, so that one given here (where
+    # no target loads) is told apart from one left out; --check still runs the target
+    # here. (--dtype is refused by _check_settings; --threads bounds this process's torch.)
+    if args.check is None:
+        local = "--batch-size" if args.batch_size is not None else "--device" if args.device is not None else None
         if local is not None:
             raise PrepareError(f"{local} applies to the target loaded here, which --server does not load "
                                "(the server's own settings decide; --concurrency sets requests in flight)")
@@ -519,7 +503,8 @@ def main(argv=None) -> int:
         if (args.prompts is None) == (args.self_prompts is None) or (args.check and args.prompts is None):
             raise PrepareError("give --prompts FILE or --self-prompts N (one of them; --check needs --prompts)")
         server = server_settings(args)
-        fill_local_defaults(args)
+        args.batch_size = 16 if args.batch_size is None else args.batch_size
+        args.device = args.device or "auto"
         sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed, args.dtype)
         if args.check is not None:
             result = check(args.target, args.prompts, args.check, server, template_opts=template_opts(args),

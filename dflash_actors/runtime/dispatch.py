@@ -52,6 +52,13 @@ from .ledger import Col, Ledger
 from .messages import ProtocolError, Work
 
 
+def _first_unset(flags, start: int) -> int:
+    """The lowest index from ``start`` on whose flag is not set (``len(flags)`` if none)."""
+    while start < len(flags) and flags[start]:
+        start += 1
+    return start
+
+
 def in_order(b: int) -> int:
     """The route of a one-actor stage that takes every batch in increasing id."""
     return 0
@@ -384,15 +391,11 @@ class Dispatcher:
 
     def _advance_frontier(self) -> None:
         """The lowest batch id not yet settled in the final state."""
-        while self._frontier < self._n and self._final[self._frontier]:
-            self._frontier += 1
+        self._frontier = _first_unset(self._final, self._frontier)
 
     def _advance_through(self, i: int) -> None:
         """Early stage i: the lowest batch id not yet through it for good."""
-        through, f = self._through[i], self._through_frontier[i]
-        while f < self._n and through[f]:
-            f += 1
-        self._through_frontier[i] = f
+        self._through_frontier[i] = _first_unset(self._through[i], self._through_frontier[i])
 
     def _skip_done(self, n: int) -> None:
         i, _ = self.members[n]
