@@ -18,11 +18,14 @@ there). The project runs with NeMo's selector semantics (``train.selector_norm: 
   continue a run of accepted slots, this project ends the run there, as decoding does);
 * the greedy walk over the same hidden states and logits (decoding's proposal).
 
-Two cases: a mask with holes inside blocks (loss and gradients only) and one without.
+Two cases: a mask with holes inside blocks (loss and gradients only) and one without; and
+both again with every layer ``sliding_attention`` of a window of 8 (NeMo's
+``sliding_window``), which cuts the context of every block anchored past position 8.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from types import SimpleNamespace
 
@@ -68,9 +71,21 @@ def acceptable_text(drafter, frozen, ids: torch.Tensor, feats: torch.Tensor, anc
 NEMO_SEMANTICS = SelectorObjective(1.0, "own", "skip", "full")
 
 
-def case(holes: bool, seed: int = 0, objective: SelectorObjective = NEMO_SEMANTICS) -> dict:
+WINDOW = 8
+
+
+def case(holes: bool, seed: int = 0, objective: SelectorObjective = NEMO_SEMANTICS, window: int | None = None,
+         our_window: int | None | str = "same") -> dict:
+    """``window``: NeMo's ``sliding_window`` and, unless ``our_window`` says otherwise (a
+    control: another window, or None for full attention), every layer of ours
+    ``sliding_attention`` of that window."""
     g = torch.Generator().manual_seed(seed)
     config = nemo.tiny_config()
+    ours_w = window if our_window == "same" else our_window
+    ours_config = copy.deepcopy(config)
+    if ours_w is not None:
+        ours_config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        ours_config.sliding_window, ours_config.use_sliding_window = ours_w, True
     H, V, L = config.hidden_size, config.vocab_size, 40
     state = nemo.random_state(config, g)
     embed = torch.randn(V, H, generator=g)
@@ -83,13 +98,13 @@ def case(holes: bool, seed: int = 0, objective: SelectorObjective = NEMO_SEMANTI
         mask[0, [14, 20, 30]] = 0
     feats = torch.randn(1, L, 2 * H, generator=g)
     anchors = [6, 11, 17, 25, 33]
-    drafter = DFlashDrafter(config)
+    drafter = DFlashDrafter(ours_config)
     drafter.load_state_dict(state, strict=True)
     frozen = SimpleNamespace(embed_tokens=torch.nn.Embedding.from_pretrained(embed, freeze=True),
                              lm_head=torch.nn.Linear(H, V, bias=False).requires_grad_(False))
     frozen.lm_head.weight.data.copy_(head)
     ids = acceptable_text(drafter, frozen, ids, feats, anchors)
-    theirs = nemo.nemo_step(config, state, embed, head, ids, mask, feats, anchors, gamma=GAMMA)
+    theirs = nemo.nemo_step(config, state, embed, head, ids, mask, feats, anchors, gamma=GAMMA, sliding_window=window)
 
     batch = Batch(ids[0], torch.arange(L), mask[0].to(torch.int8), torch.tensor([0, L], dtype=torch.int32), L)
     blocks = lay_out(batch, [np.array(anchors)], drafter.block_size, "cpu")
@@ -102,7 +117,8 @@ def case(holes: bool, seed: int = 0, objective: SelectorObjective = NEMO_SEMANTI
     worst = max(float((grads[n] - t).abs().max() / t.abs().max().clamp(min=1e-12))
                 for n, t in theirs["grads"].items())
     value = value.detach()
-    out = {"case": "holes" if holes else "contiguous", "loss": round(float(value), 6),
+    out = {"case": ("holes" if holes else "contiguous") + ("" if window is None else f", window {window}"),
+           "loss": round(float(value), 6),
            "nemo_loss": round(theirs["loss"], 6),
            "loss_rel_diff": abs(float(value) - theirs["loss"]) / abs(theirs["loss"]),
            "grads": len(theirs["grads"]), "same_names": set(grads) == set(theirs["grads"]),
@@ -135,7 +151,7 @@ def main(argv=None) -> int:
         harness.skipped("parity_dflash2", str(e), args.save)
         return 0
     torch.set_num_threads(1)
-    cases = [case(holes=True), case(holes=False)]
+    cases = [case(holes=h, window=w) for w in (None, WINDOW) for h in (True, False)]
     line = {"bench": "parity_dflash2", **loaded.record, "torch": torch.__version__,
             "ok": all(c["ok"] for c in cases), "cases": cases}
     harness.emit(line, args.save)

@@ -181,6 +181,24 @@ class DrafterConfig:
     49,152 tokens x 256 x 2 = 25M parameters), so its config takes a smaller one."""
     selector_top_k: int = checked(16, at_least(1))
     """dflash2: candidates per slot the selector chooses among."""
+    sliding_window: Optional[int] = checked(None, optional(at_least(1)))
+    """The window W of the drafter's ``sliding_attention`` layers: the block slot at
+    position ``a + k`` (anchor a) sees the context positions c with ``c < a`` and
+    ``a + k - c < W``, and its whole block (W >= block_size), as z-lab's reference, NeMo
+    and vLLM read ``sliding_window`` for a non-causal drafter. None = full attention on
+    every layer, or ``init_from``'s layers as they are (the published 27B DFlash2: 2048 on
+    all 5; speculators 0.9.0's default: 2048)."""
+    layer_types: Optional[tuple[Literal["full_attention", "sliding_attention"], ...]] = None
+    """Each drafter layer's attention, ``num_layers`` of them; None = every layer
+    ``sliding_attention`` when ``sliding_window`` is set, else ``full_attention``."""
+    num_attention_heads: Optional[int] = checked(None, optional(at_least(1)))
+    """The drafter's own attention shape; None = the target's. Published drafters may
+    differ from their target: the 27B DFlash2 has 32 heads, 8 KV heads and head_dim 128
+    against Qwen3.6-27B's 24, 4 and 256."""
+    num_key_value_heads: Optional[int] = checked(None, optional(at_least(1)))
+    head_dim: Optional[int] = checked(None, optional(at_least(1)))
+    intermediate_size: Optional[int] = checked(None, optional(at_least(1)))
+    """The drafter's MLP width; None = the target's (a MoE target's dense MLP width)."""
 
     def __post_init__(self):
         bad = set(self.init_parts) - {"layers", "fc", "hidden_norm", "norm"}
@@ -188,6 +206,29 @@ class DrafterConfig:
             raise ConfigError(f"init_parts: unknown {sorted(bad)} (choose from layers, fc, hidden_norm, norm)")
         if self.target_layer_ids is not None and not self.target_layer_ids:
             raise ConfigError("target_layer_ids: must name at least one layer (null = the default choice)")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ConfigError(f"layer_types: names {len(self.layer_types)} layers, drafter.num_layers is "
+                                  f"{self.num_layers}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ConfigError("layer_types: sliding_attention layers need drafter.sliding_window")
+            if self.sliding_window is not None and "sliding_attention" not in self.layer_types:
+                raise ConfigError(f"sliding_window: {self.sliding_window} with no sliding_attention layer in "
+                                  "drafter.layer_types (null the window, or name the sliding layers)")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise ConfigError(f"sliding_window: must be >= drafter.block_size={self.block_size}, or a block "
+                              f"would not see itself whole (got {self.sliding_window})")
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv is not None and heads % kv:
+            raise ConfigError(f"num_key_value_heads: must divide drafter.num_attention_heads={heads} (got {kv})")
+
+    @property
+    def windows(self) -> Optional[tuple[str, ...]]:
+        """``layer_types`` as the drafter gets them: stated, all sliding with a window, or
+        None (full, or ``init_from``'s)."""
+        if self.layer_types is not None:
+            return tuple(self.layer_types)
+        return ("sliding_attention",) * self.num_layers if self.sliding_window is not None else None
 
 
 @dataclass(frozen=True)
@@ -465,6 +506,11 @@ class Config:
             raise ConfigError(
                 f"drafter.block_size: must be <= data.max_seq_len={self.data.max_seq_len} "
                 f"(got {self.drafter.block_size})")
+        window = self.drafter.sliding_window
+        if window is not None and window >= self.data.max_seq_len:
+            raise ConfigError(
+                f"drafter.sliding_window: must be < data.max_seq_len={self.data.max_seq_len}, or it cuts no "
+                f"context and is full attention (null); got {window}")
         if self.eval.plateau and self.topology.nodes > 1:
             # Node 0's evaluator would end node 0 alone; the others would see a lost node.
             raise ConfigError(f"eval.plateau: one machine only for now (topology.nodes={self.topology.nodes})")

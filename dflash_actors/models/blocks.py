@@ -5,8 +5,11 @@ flex ``BlockMask`` on CUDA, ``attention_as`` for a trace), and each slot's label
 
 The visibility rule, keyed by anchor position: block j sees context positions ``< a_j``
 of its own sequence and its own block in both directions; never another block, another
-sequence, or anything ``>= a_j``. The objective over these blocks is ``loss``'s; the
-evaluation (``eval.tau``) walks the same blocks.
+sequence, or anything ``>= a_j``. In a ``sliding_attention`` layer of window W, the slot
+at position ``a_j + k`` sees only the context positions c with ``a_j + k - c < W``
+(``drafter.sliding_window``; its whole block still, as W >= the block size). The
+objective over these blocks is ``loss``'s; the evaluation (``eval.tau``) walks the same
+blocks.
 """
 
 from __future__ import annotations
@@ -48,37 +51,45 @@ def all_anchors(batch) -> list[np.ndarray]:
     return [anchor_candidates(mask[s:e]) for s, e in batch.sequences()]
 
 
-def visible(row, q, kv, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len, block_size: int):
+def visible(row, q, kv, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len, block_size: int,
+            window: int | None = None):
     """Whether query ``q`` of row ``row`` sees key ``kv`` (broadcasting index tensors).
 
     Keys ``< ctx_len`` are the row's context, the rest its blocks of ``block_size``
     queries. Block j sees context ``< anchors[row, j]`` inside the row's real length, and
-    its own block. Both the dense mask and flex's ``mask_mod`` are this function.
+    its own block; with a ``window``, query slot k (at position ``a_j + k``) only the
+    context within ``window`` of it. Both the dense mask and flex's ``mask_mod`` are this
+    function.
     """
     j = q // block_size
-    context = (kv < anchors[row, j]) & (kv < lengths[row])
+    anchor = anchors[row, j]
+    context = (kv < anchor) & (kv < lengths[row])
+    if window is not None:
+        context = context & (anchor + q % block_size - kv < window)
     own_block = (kv >= ctx_len) & ((kv - ctx_len) // block_size == j)
     return context | own_block
 
 
-def block_mask_dense(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+def block_mask_dense(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int,
+                     window: int | None = None) -> torch.Tensor:
     """Boolean ``[R, 1, N*B, C+N*B]`` for anchors ``[R, N]`` and row lengths ``[R]``."""
     R, n = anchors.shape
     dev = anchors.device
     row = torch.arange(R, device=dev)[:, None, None]
     q = torch.arange(n * block_size, device=dev)[None, :, None]
     kv = torch.arange(ctx_len + n * block_size, device=dev)[None, None, :]
-    return visible(row, q, kv, anchors, lengths, ctx_len, block_size)[:, None]
+    return visible(row, q, kv, anchors, lengths, ctx_len, block_size, window)[:, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int):
+def flex_block_mask(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int,
+                    window: int | None = None):
     """The same rule as a flex ``BlockMask`` (batch R, shared by every head)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     R, n = anchors.shape
 
     def mask_mod(b, h, q, kv):
-        return visible(b, q, kv, anchors, lengths, ctx_len, block_size)
+        return visible(b, q, kv, anchors, lengths, ctx_len, block_size, window)
 
     # Uncompiled, create_block_mask evaluates the rule on the whole [R, Q, KV] grid at
     # once: gigabytes at real sizes (30 rows of 8k queries by 10k keys). Compiled on
@@ -123,14 +134,21 @@ def attention_as(factory):
         _ATTEND_AS.reset(token)
 
 
-def make_attend(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int):
+def make_attend(anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int,
+                window: int | None = None):
     """flex_attention on CUDA (block-sparse, no dense mask), dense sdpa mask elsewhere."""
     factory = _ATTEND_AS.get()
     if factory is not None:
-        return factory(anchors, lengths, ctx_len, block_size)
+        return factory(anchors, lengths, ctx_len, block_size, window)
     if anchors.device.type == "cuda":
-        return flex_attend(flex_block_mask(anchors, lengths, ctx_len, block_size), _compiled_flex())
-    return sdpa_dense(block_mask_dense(anchors, lengths, ctx_len, block_size))
+        return flex_attend(flex_block_mask(anchors, lengths, ctx_len, block_size, window), _compiled_flex())
+    return sdpa_dense(block_mask_dense(anchors, lengths, ctx_len, block_size, window))
+
+
+def make_attends(drafter, anchors: torch.Tensor, lengths: torch.Tensor, ctx_len: int, block_size: int) -> dict:
+    """``make_attend`` for each window among the drafter's layers (None: full attention):
+    one mask per distinct window, shared by the layers that have it."""
+    return {w: make_attend(anchors, lengths, ctx_len, block_size, w) for w in sorted(drafter.windows, key=str)}
 
 
 def autocast_for(device, compute_dtype: str = "auto"):
@@ -201,7 +219,7 @@ def blocks_hidden(drafter, embed_tokens, ctx: torch.Tensor, lengths: torch.Tenso
     noise = embed_tokens(noise_ids).reshape(R, n * B, -1).to(ctx.dtype)
     block_pos = (anchors[..., None] + torch.arange(B, device=dev)).reshape(R, n * B)
     positions = torch.cat([torch.arange(C, device=dev).expand(R, C), block_pos], dim=1)
-    out = drafter(noise, ctx, positions, make_attend(anchors, lengths, C, B), checkpoint_layers)
+    out = drafter(noise, ctx, positions, make_attends(drafter, anchors, lengths, C, B), checkpoint_layers)
     return out.reshape(R, n, B, -1)
 
 

@@ -34,21 +34,37 @@ WEIGHTS = "model.safetensors"
 HF_MODELING = Path(__file__).with_name("hf_dflash.py")
 
 
+SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+"""``drafter`` keys that size the drafter's layers apart from its target's (None = the target's)."""
+
+
 def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: list[int],
                    mask_token_id: int, mask_token_reason: str, vocab_size: int,
-                   dflash2: dict | None = None) -> Qwen3Config:
+                   dflash2: dict | None = None, shape: dict | None = None) -> Qwen3Config:
     """A Qwen3 config sized like the target (hidden, heads, MLP, RoPE), with DFlash fields;
-    a DFlash2's with ``dflash2`` (its four ``DFLASH2_KEYS``, ``dflash2_fields``)."""
-    t = target_config
-    heads = int(t.num_attention_heads)
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
+    a DFlash2's with ``dflash2`` (its four ``DFLASH2_KEYS``, ``dflash2_fields``). ``shape``
+    (``shape_fields``) overrides the sizes of ``SHAPE_KEYS`` and gives ``layer_types`` and
+    ``sliding_window``."""
+    t, shape = target_config, dict(shape or {})
+    heads = int(shape.get("num_attention_heads") or t.num_attention_heads)
+    head_dim = shape.get("head_dim") or getattr(t, "head_dim", None) or t.hidden_size // int(t.num_attention_heads)
+    kv_heads = shape.get("num_key_value_heads") or int(getattr(t, "num_key_value_heads", None) or heads)
+    if heads % kv_heads:
+        raise ValueError(f"drafter.num_key_value_heads: {kv_heads} KV heads do not group the drafter's {heads} "
+                         "heads; set drafter.num_key_value_heads")
     cfg = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=heads,
-        num_key_value_heads=int(getattr(t, "num_key_value_heads", None) or heads), head_dim=head_dim,
-        rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)), rope_parameters=drafter_rope(t),
+        vocab_size=vocab_size, hidden_size=t.hidden_size,
+        intermediate_size=int(shape.get("intermediate_size") or target_mlp_width(t)),
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=int(kv_heads),
+        head_dim=int(head_dim), rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)), rope_parameters=drafter_rope(t),
         max_position_embeddings=int(t.max_position_embeddings), tie_word_embeddings=False,
         attention_bias=False, use_sliding_window=False)
+    layer_types, window = shape.get("layer_types"), shape.get("sliding_window")
+    if layer_types is not None and "sliding_attention" in layer_types:
+        # As the published drafters write it: the types per layer, the window, and the
+        # flag without which Qwen3Config (and z-lab's loader through it) drops the window.
+        cfg.layer_types, cfg.sliding_window, cfg.use_sliding_window = list(layer_types), int(window), True
+        cfg.max_window_layers = num_layers
     cfg.architectures = ["DFlashDraftModel"]
     # Stated for every arch: z-lab's reference makes a layer causal when it is absent,
     # and vLLM falls back to layer_types, which an engine may read otherwise.
@@ -92,6 +108,31 @@ def drafter_rope(target_config) -> dict:
     return out
 
 
+def target_mlp_width(t) -> int:
+    """The target's dense MLP width: a MoE target's ``intermediate_size`` is its dense
+    layers' (gpt-oss has only experts: theirs)."""
+    width = getattr(t, "intermediate_size", None) or getattr(t, "moe_intermediate_size", None)
+    if width is None:
+        raise ValueError(f"drafter.intermediate_size: the target ({t.model_type}) states no MLP width; set it")
+    return int(width)
+
+
+def shape_fields(drafter_cfg) -> dict:
+    """The ``shape`` of ``drafter_config`` that ``drafter_cfg`` (the ``drafter`` section)
+    states: its ``SHAPE_KEYS`` and, with a window, ``layer_types`` and ``sliding_window``."""
+    out = {k: getattr(drafter_cfg, k) for k in SHAPE_KEYS if getattr(drafter_cfg, k) is not None}
+    if drafter_cfg.windows is not None:
+        out |= {"layer_types": list(drafter_cfg.windows), "sliding_window": drafter_cfg.sliding_window}
+    return out
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's window (None: full attention) as ``config.json`` states it."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    return [int(window) if kind == "sliding_attention" else None for kind in types]
+
+
 def dflash2_fields(drafter_cfg) -> dict | None:
     """The ``dflash_config`` additions of ``drafter.arch: dflash2`` (None for dflash)."""
     if drafter_cfg.arch != "dflash2":
@@ -133,13 +174,14 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(inp).view(n, -1, self.kv_heads, d).transpose(1, 2)
         return _rope(k, cos, sin), v
 
-    def forward_cached(self, x, ctx_kv, rope):
+    def forward_cached(self, x, ctx_kv, rope, mask=None):
         """The block ``x`` against context keys/values computed earlier (``keys_values``):
-        decoding's path, where every block query sees the whole context and block."""
+        decoding's path, where every block query sees the whole context and block, or,
+        with ``mask`` (a sliding layer's), what it allows."""
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         k, v = self.keys_values(x, cos, sin)
         k, v = torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)
-        return self._attend_out(x, k, v, cos, sin, sdpa_dense(None))
+        return self._attend_out(x, k, v, cos, sin, sdpa_dense(mask))
 
     def _attend_out(self, x, k, v, cos, sin, attend):
         n, q_len, _ = x.shape
@@ -150,10 +192,13 @@ class DFlashAttention(nn.Module):
 
 class DFlashLayer(nn.Module):
     """A Qwen3 layer over the block; a DFlash2's also convolves the block stream in and
-    out of each sublayer (``BlockConv``; the context rows are never convolved)."""
+    out of each sublayer (``BlockConv``; the context rows are never convolved).
+    ``window``: a ``sliding_attention`` layer's window (None: full attention), which the
+    ``attend`` it is given applies (``blocks.make_attends``)."""
 
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: Qwen3Config, window: int | None = None):
         super().__init__()
+        self.window = window
         self.self_attn = DFlashAttention(cfg)
         self.mlp = Qwen3MLP(cfg)
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -168,8 +213,8 @@ class DFlashLayer(nn.Module):
     def forward(self, x, ctx, rope, attend):
         return self._layer(x, lambda h: self.self_attn(h, ctx, rope, attend))
 
-    def forward_cached(self, x, ctx_kv, rope):
-        return self._layer(x, lambda h: self.self_attn.forward_cached(h, ctx_kv, rope))
+    def forward_cached(self, x, ctx_kv, rope, mask=None):
+        return self._layer(x, lambda h: self.self_attn.forward_cached(h, ctx_kv, rope, mask))
 
     def _layer(self, x, attention):
         x = x + _wrapped(attention, self.input_layernorm(x), self.attention_conv)
@@ -181,6 +226,13 @@ def _wrapped(sublayer, h, conv: BlockConv | None):
         return sublayer(h)
     h, delta = conv.before(h)
     return conv.after(sublayer(h), delta)
+
+
+def window_band(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``[N, Q, K]``: key positions within ``window`` of each query position, both ways
+    (a non-causal sliding layer, as z-lab's reference and vLLM read one)."""
+    d = query_pos[:, :, None] - key_pos[:, None, :]
+    return (d < window) & (-d < window)
 
 
 def sdpa_dense(mask: torch.Tensor):
@@ -199,7 +251,7 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id = int(dc["mask_token_id"])
         self.target_layer_ids = list(dc["target_layer_ids"])
         h = config.hidden_size
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashLayer(config, w) for w in layer_windows(config))
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
@@ -239,19 +291,26 @@ class DFlashDrafter(nn.Module):
         context and are left out."""
         return self.hidden_norm(self.fc(features[..., :self.fc.in_features]))
 
+    @property
+    def windows(self) -> set[int | None]:
+        """The distinct windows of its layers (None: full attention)."""
+        return {layer.window for layer in self.layers}
+
     def forward(self, noise: torch.Tensor, ctx: torch.Tensor, position_ids: torch.Tensor, attend,
                 checkpoint_layers: bool = False) -> torch.Tensor:
         """noise ``[N, Q, H]`` embeddings, ctx ``[N, C, H]`` (from ``context``), position_ids
         ``[N, C+Q]``; returns normed hidden states ``[N, Q, H]`` for the target's lm_head.
-        ``checkpoint_layers``: keep only each layer's input for the backward, which runs
-        the layer again (``train.checkpoint_layers``)."""
+        ``attend``: one attention for every layer, or a dict from each layer's window to
+        its own (``blocks.make_attends``). ``checkpoint_layers``: keep only each layer's
+        input for the backward, which runs the layer again (``train.checkpoint_layers``)."""
         rope = self.rotary_emb(noise, position_ids)
         x = noise
         for layer in self.layers:
+            a = attend[layer.window] if isinstance(attend, dict) else attend
             if checkpoint_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, rope, attend, use_reentrant=False)
+                x = checkpoint(layer, x, ctx, rope, a, use_reentrant=False)
             else:
-                x = layer(x, ctx, rope, attend)
+                x = layer(x, ctx, rope, a)
         return self.norm(x)
 
     # -- decoding with a context cache -------------------------------------------
@@ -266,12 +325,16 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def forward_cached(self, noise: torch.Tensor, ctx_kv: list, position_ids: torch.Tensor) -> torch.Tensor:
-        """``forward`` for one block per row that sees all of its context: noise ``[N, Q, H]``
-        at ``position_ids`` ``[N, Q]``, context from ``context_kv``."""
+        """``forward`` for one block per row that sees all of its context (a sliding
+        layer: what its window keeps): noise ``[N, Q, H]`` at ``position_ids`` ``[N, Q]``,
+        context from ``context_kv``, whose rows are positions ``0 .. C-1``."""
         rope = self.rotary_emb(noise, position_ids)
+        C = ctx_kv[0][0].shape[2] if ctx_kv else 0
+        keys = torch.cat([torch.arange(C, device=noise.device).expand(len(position_ids), C), position_ids], 1)
+        masks = {w: None if w is None else window_band(position_ids, keys, w)[:, None] for w in self.windows}
         x = noise
         for layer, kv in zip(self.layers, ctx_kv):
-            x = layer.forward_cached(x, kv, rope)
+            x = layer.forward_cached(x, kv, rope, masks[layer.window])
         return self.norm(x)
 
     # -- HF directory ------------------------------------------------------------
@@ -329,17 +392,36 @@ def read_config(path: str | Path) -> Qwen3Config:
     return cfg
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def _check_supported(path: Path, d: dict) -> None:
     """Refuse configs whose attention differs from ours: loading their weights would
     silently compute something else. Qwen3Config itself writes all-"full_attention"
-    ``layer_types`` and a ``sliding_window`` that counts only with ``use_sliding_window``."""
-    layer_types = set(d.get("layer_types") or ()) - {"full_attention"}
-    if layer_types:
-        raise ValueError(f"{path}: config.json sets layer_types {sorted(layer_types)}; this drafter "
-                         "implements only full_attention")
-    if d.get("use_sliding_window"):
-        raise ValueError(f"{path}: config.json sets use_sliding_window (window {d.get('sliding_window')}); "
-                         "this drafter implements only full attention")
+    ``layer_types`` and a ``sliding_window`` that counts only with ``use_sliding_window``;
+    without ``layer_types`` it makes the layers from ``max_window_layers`` on sliding."""
+    types = d.get("layer_types")
+    if types is not None:
+        unknown = set(types) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"{path}: config.json sets layer_types {sorted(unknown)}; this drafter implements "
+                             f"{' and '.join(LAYER_TYPES)}")
+        if len(types) != d.get("num_hidden_layers"):
+            raise ValueError(f"{path}: config.json's layer_types names {len(types)} layers, its "
+                             f"num_hidden_layers is {d.get('num_hidden_layers')}")
+        sliding = "sliding_attention" in types
+        if sliding and not (d.get("use_sliding_window") and d.get("sliding_window")):
+            # Qwen3Config (and z-lab's loader through it) drops the window without the flag.
+            raise ValueError(f"{path}: config.json's layer_types name sliding_attention without "
+                             f"use_sliding_window and a sliding_window (got {d.get('use_sliding_window')}, "
+                             f"{d.get('sliding_window')})")
+        if sliding and d.get("is_causal") is None:
+            raise ValueError(f"{path}: config.json's sliding_attention layers with no is_causal: z-lab's "
+                             "reference and vLLM then read them as causal in the block; this drafter's blocks "
+                             "attend both ways")
+    window, block = d.get("sliding_window"), d.get("block_size")
+    if d.get("use_sliding_window") and window and block and int(window) < int(block):
+        raise ValueError(f"{path}: config.json's sliding_window {window} is smaller than its block of {block}")
     if d.get("attention_bias"):
         raise ValueError(f"{path}: config.json sets attention_bias; this drafter has no attention biases")
     dc = d.get("dflash_config") or {}
@@ -475,10 +557,12 @@ def start_config(cfg, target) -> Qwen3Config:
         mask_id, reason = _default_mask_token(cfg, target)
     if not 0 <= mask_id < target.vocab_size:
         raise ValueError(f"drafter.mask_token_id: {mask_id} is outside the target's vocab of {target.vocab_size}")
-    arch = dflash2_fields(cfg.drafter)
+    arch, shape = dflash2_fields(cfg.drafter), shape_fields(cfg.drafter)
     if cfg.drafter.init_from is None:
-        return drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
-                              mask_id, reason, target.vocab_size, arch)
+        config = drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
+                                mask_id, reason, target.vocab_size, arch, shape)
+        _check_target_init(cfg.drafter, config, target.config)
+        return config
     if not Path(cfg.drafter.init_from).exists():
         raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} does not exist")
     try:
@@ -496,7 +580,37 @@ def start_config(cfg, target) -> Qwen3Config:
         name = lambda a: "dflash" if a is None else f"dflash2 {a}"   # noqa: E731
         raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} is a {name(have_arch)} drafter, this run "
                          f"trains {name(arch)} (drafter.arch and its sizes)")
+    _check_stated_shape(cfg.drafter, config)
     return config
+
+
+def _check_stated_shape(drafter_cfg, config) -> None:
+    """What the ``drafter`` section states of the layers must be what ``init_from`` has
+    (unstated: its own); a contradiction is refused, never trained one way and exported
+    the other."""
+    windows = layer_windows(config)
+    have = {"layer_types": [("sliding_attention" if w else "full_attention") for w in windows],
+            "sliding_window": max((w for w in windows if w), default=None),
+            **{k: getattr(config, k) for k in SHAPE_KEYS}}
+    for key, want in shape_fields(drafter_cfg).items():
+        if have[key] != want:
+            raise ValueError(f"drafter.{key}: {drafter_cfg.init_from} has {have[key]}, this config states {want}")
+
+
+def _check_target_init(drafter_cfg, config, target_config) -> None:
+    """``init: target`` copies target layers: refused when the drafter's attention or MLP
+    is shaped otherwise (the copy would fail in every actor, after the spawn)."""
+    if drafter_cfg.init != "target" or "layers" not in drafter_cfg.init_parts:
+        return
+    t_heads = int(target_config.num_attention_heads)
+    theirs = (t_heads, int(getattr(target_config, "num_key_value_heads", None) or t_heads),
+              int(getattr(target_config, "head_dim", None) or target_config.hidden_size // t_heads),
+              getattr(target_config, "intermediate_size", None))
+    ours = tuple(getattr(config, k) for k in SHAPE_KEYS)
+    if ours != theirs:
+        raise ValueError(f"drafter.init_parts: copying the target's layers needs the target's (heads, KV heads, "
+                         f"head_dim, MLP) {theirs}, the drafter has {ours}; drop layers from init_parts or use "
+                         "init: random")
 
 
 def build_drafter(cfg, target) -> DFlashDrafter:

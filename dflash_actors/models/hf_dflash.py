@@ -12,6 +12,9 @@ Inputs (``forward``):
   * ``position_ids`` ``[N, C+Q]``: positions of the context, then of the block.
   * ``attention_mask``: optional boolean ``[N or 1, 1, Q, C+Q]``, True = visible; None lets
     every query see all the context and the whole block.
+A ``sliding_attention`` layer (``layer_types``, ``sliding_window`` W) also keeps a query at
+position p from every key at a position q with ``|p - q| >= W``, as a non-causal drafter's
+window is read by z-lab's reference and vLLM.
 Output: normed hidden states ``[N, Q, H]``, for the target's ``lm_head``.
 """
 
@@ -69,6 +72,13 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _window_mask(position_ids, q_len, window, mask):
+    """``mask`` and the band of keys within ``window`` of each query's position."""
+    d = position_ids[:, -q_len:, None] - position_ids[:, None, :]
+    band = ((d < window) & (-d < window))[:, None]
+    return band if mask is None else band & mask
+
+
 class DFlashDraftModel(PreTrainedModel):
     config_class = Qwen3Config
     base_model_prefix = "dflash"
@@ -95,7 +105,13 @@ class DFlashDraftModel(PreTrainedModel):
     def forward(self, noise_embedding, target_hidden, position_ids, attention_mask=None):
         ctx = self.context(target_hidden)
         cos, sin = (t.unsqueeze(1) for t in self.rotary_emb(noise_embedding, position_ids))
+        types = getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        window = getattr(self.config, "sliding_window", None)
+        sliding = None
+        if window and "sliding_attention" in types:
+            sliding = _window_mask(position_ids, noise_embedding.shape[1], int(window), attention_mask)
         x = noise_embedding
-        for layer in self.layers:
-            x = layer(x, ctx, cos, sin, attention_mask)
+        for layer, kind in zip(self.layers, types):
+            x = layer(x, ctx, cos, sin, sliding if kind == "sliding_attention" and sliding is not None
+                      else attention_mask)
         return self.norm(x)

@@ -210,6 +210,25 @@ CASES = {
                                           ["train.head_vocab: dflash2 needs full"]),
     "--plan-only checks the target too": (["--plan-only", "--set", "target.path={d}/small_vocab"],
                                           ["data-00000-of-00001.arrow: row ", "outside [0, 64)"]),
+    # sliding-window drafter layers, and shapes apart from the target's
+    "window as long as the context": (["--set", "drafter.sliding_window=256"],
+                                      ["drafter.sliding_window: must be < data.max_seq_len=256", "got 256"]),
+    "window smaller than a block": (["--set", "drafter.sliding_window=4"],
+                                    ["drafter.sliding_window: must be >= drafter.block_size=8"]),
+    "layer_types of the wrong length": (["--set", "drafter.layer_types=[full_attention, full_attention]"],
+                                        ["drafter.layer_types: names 2 layers, drafter.num_layers is 1"]),
+    "a layer type the drafter lacks": (["--set", "drafter.layer_types=[linear_attention]"],
+                                       ["drafter.layer_types[0]: must be one of"]),
+    "init_from's layer types contradicted": (["--set", "drafter.init_from={d}/sliding_drafter",
+                                              "--set", "drafter.layer_types=[full_attention]"],
+                                             ["drafter.layer_types: {d}/sliding_drafter has ['sliding_attention'], "
+                                              "this config states ['full_attention']"]),
+    "init_from's window contradicted": (["--set", "drafter.init_from={d}/sliding_drafter",
+                                         "--set", "drafter.sliding_window=32"],
+                                        ["drafter.sliding_window: {d}/sliding_drafter has 16, this config states 32"]),
+    "target layers copied into other heads": (["--set", "drafter.num_attention_heads=4",
+                                               "--set", "drafter.num_key_value_heads=2"],
+                                              ["drafter.init_parts: copying the target's layers needs"]),
 }
 
 
@@ -231,8 +250,17 @@ def launch_bad(argv: list[str], inputs, cache_dir, capsys) -> str:
     return err[0]
 
 
+@pytest.fixture(scope="module")
+def sliding_drafter(inputs, cache_dir):
+    """``{d}/sliding_drafter``: a drafter for the random target whose one layer has a
+    window of 16."""
+    cfg = load_config(ROOT / "configs/default.yaml", SMALL + [
+        f"data.cache_dir={cache_dir}", f"target.path={inputs}/target", "drafter.sliding_window=16"])
+    build_drafter(cfg, load_head(cfg)).save_pretrained(inputs / "sliding_drafter")
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_exits_2_names_it_and_writes_nothing(case, inputs, cache_dir, tmp_path, capsys):
+def test_bad_input_exits_2_names_it_and_writes_nothing(case, inputs, sliding_drafter, cache_dir, tmp_path, capsys):
     argv, expected = CASES[case]
     values = {"d": inputs, "cuda": max(3, torch.cuda.device_count())}
     argv = [a.format(**values) for a in argv]

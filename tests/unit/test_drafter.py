@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -174,9 +175,18 @@ def test_exported_directory_loads_with_automodel(setup, tmp_path):
             torch.testing.assert_close(hf(noise, feats, pos, attention_mask=m), want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("field, value", [("layer_types", ["full_attention", "sliding_attention"]),
-                                          ("use_sliding_window", True), ("attention_bias", True)])
-def test_init_from_rejects_attention_we_do_not_implement(setup, tmp_path, field, value):
+SLIDING = dict(layer_types=["sliding_attention"], use_sliding_window=True, sliding_window=64)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(layer_types=["linear_attention"]), "sets layer_types ['linear_attention']"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types names 2 layers"),
+    ({**SLIDING, "use_sliding_window": False}, "sliding_attention without use_sliding_window"),
+    ({**SLIDING, "is_causal": None}, "no is_causal"),
+    ({**SLIDING, "sliding_window": 4}, "sliding_window 4 is smaller than its block of 8"),
+    (dict(attention_bias=True), "sets attention_bias"),
+    (dict(is_causal=True), "sets is_causal")])
+def test_init_from_rejects_attention_we_do_not_implement(setup, tmp_path, change, says):
     cfg, target, d = setup
     d.save_pretrained(tmp_path / "dr")
     path = tmp_path / "dr" / "config.json"
@@ -187,9 +197,12 @@ def test_init_from_rejects_attention_we_do_not_implement(setup, tmp_path, field,
     base = [f"data.cache_dir={cfg.data.cache_dir}", "target.tiny.pretrain_steps=20", *HEADS_16,
             f"drafter.init_from={tmp_path / 'dr'}"]
     build_drafter(load_config(ROOT / "configs" / "default.yaml", base), target)
-    c[field] = value
-    path.write_text(json.dumps(c))
-    with pytest.raises(ValueError, match=f"{tmp_path / 'dr'}: config.json sets {field}"):
+    path.write_text(json.dumps({**c, **SLIDING}))       # a non-causal sliding drafter loads, its window kept
+    assert [layer.window for layer in build_drafter(load_config(ROOT / "configs" / "default.yaml", base),
+                                                    target).layers] == [64]
+    c.update(change)
+    path.write_text(json.dumps({k: v for k, v in c.items() if v is not None}))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'dr'}: config.json") + ".*" + re.escape(says)):
         build_drafter(load_config(ROOT / "configs" / "default.yaml", base), target)
 
 

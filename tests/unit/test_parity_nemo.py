@@ -20,9 +20,10 @@ def parity():
     return parity_dflash2
 
 
+@pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("holes", [True, False])
-def test_loss_gradients_acceptance_and_walk_equal_nemos(parity, holes):
-    out = parity.case(holes=holes)
+def test_loss_gradients_acceptance_and_walk_equal_nemos(parity, holes, window):
+    out = parity.case(holes=holes, window=window)
     assert out["ok"], out
     assert out["grads"] == 36 and out["candidate_recall"] > 0
     if not holes:       # acceptances that differ between the selector and the argmax
@@ -38,3 +39,11 @@ def test_the_check_sees_another_normalisation_and_a_leaking_convolution(parity, 
     monkeypatch.setattr(dflash2, "block_conv", lambda x, d, base, _block: block_conv(x, d, base, x.shape[1]))
     leaking = parity.case(holes=True)
     assert not leaking["ok"] and leaking["grad_max_rel_diff"] > 1e-2
+
+
+def test_the_window_cuts_and_the_check_sees_another_window(parity):
+    # NeMo's own loss moves with its window: the blocks past position 8 lose context.
+    assert abs(parity.case(holes=True)["nemo_loss"] - parity.case(holes=True, window=8)["nemo_loss"]) > 0.1
+    for ours in (None, 9, 8):      # full attention, a window one wider, and (sanity) the same one
+        out = parity.case(holes=True, window=8, our_window=ours)
+        assert out["ok"] == (ours == 8), (ours, out)

@@ -130,9 +130,10 @@ def test_the_check_sees_a_mask_that_shows_the_anchors_own_state(specforge, case,
     theirs = specforge_step(specforge, case, anchors)
     visible = blocks_module.visible
 
-    def leaking(row, q, kv, anchors, lengths, ctx_len, block_size):
+    def leaking(row, q, kv, anchors, lengths, ctx_len, block_size, window=None):
         anchor = anchors[row, q // block_size]
-        return visible(row, q, kv, anchors, lengths, ctx_len, block_size) | ((kv == anchor) & (kv < lengths[row]))
+        seen = visible(row, q, kv, anchors, lengths, ctx_len, block_size, window)
+        return seen | ((kv == anchor) & (kv < lengths[row]))
 
     monkeypatch.setattr(blocks_module, "visible", leaking)
     assert worst_grad(our_step(case, None), theirs) > 1e-3

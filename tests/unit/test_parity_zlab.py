@@ -2,8 +2,9 @@
 ``dflash`` wheel (``make peers``), and decode as ours do. Skipped only where that wheel
 could not be fetched, with the reason.
 
-A DFlash and a DFlash2 drafter, each fitted for a moment to the tiny target's greedy
-text, are exported (``save_pretrained``) and loaded by z-lab's ``DFlashDraftModel`` /
+A DFlash, a DFlash2 and a DFlash drafter with a sliding-window layer (window 8, next to a
+full one; the prompts and the test's context are longer than the window), each fitted for
+a moment to the tiny target's greedy text, are exported (``save_pretrained``) and loaded by z-lab's ``DFlashDraftModel`` /
 ``DFlash2DraftModel.from_pretrained``. Their forward gives our hidden states, and z-lab's
 ``dflash_generate`` (greedy, the target's HF model) gives the tokens ours does, with the
 same accepted length at every verify step where z-lab verifies a whole block.
@@ -19,6 +20,7 @@ import torch
 
 from benchmarks import peers
 from dflash_actors.eval.decode import drafter_proposer, speculative_generate
+from dflash_actors.models.blocks import make_attends
 from dflash_actors.models.drafter import build_drafter, sdpa_dense
 from dflash_actors.models.loss import Objective
 from tests.support.fitting import fit_briefly, heldout_prompts
@@ -39,11 +41,16 @@ def dflash2(cfg):
                         "train.selector_norm": "own"})
 
 
-@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+def sliding(cfg):
+    return cfg.updated({"drafter.num_layers": 2, "drafter.sliding_window": 8,
+                        "drafter.layer_types": ("sliding_attention", "full_attention")})
+
+
+@pytest.fixture(scope="module", params=["dflash", "dflash2", "sliding"])
 def drafters(request, tiny, zlab, tmp_path_factory):
     """(ours fitted, z-lab's class loaded from our export, target, prompts)."""
     cfg, target = tiny
-    c = cfg if request.param == "dflash" else dflash2(cfg)
+    c = {"dflash": cfg, "dflash2": dflash2(cfg), "sliding": sliding(cfg)}[request.param]
     d = build_drafter(c, target)
     if request.param == "dflash2":         # the selector moved off its start, as training moves it
         g = torch.Generator().manual_seed(0)
@@ -56,7 +63,7 @@ def drafters(request, tiny, zlab, tmp_path_factory):
     fit_briefly(d, target, prompts, selector=Objective.from_config(c).selector)
     out = tmp_path_factory.mktemp(request.param)
     d.save_pretrained(out)
-    cls = zlab.DFlashDraftModel if request.param == "dflash" else zlab.DFlash2DraftModel
+    cls = zlab.DFlash2DraftModel if request.param == "dflash2" else zlab.DFlashDraftModel
     theirs = cls.from_pretrained(out).to(torch.float32).eval()
     assert type(theirs) is cls
     return d, theirs, target, prompts
@@ -69,12 +76,21 @@ def test_zlabs_class_loads_our_export_and_computes_our_hidden_states(drafters):
     assert set(zlab_names.values()) == set(theirs.state_dict())
     assert all(torch.equal(v, theirs.state_dict()[zlab_names[k]]) for k, v in d.state_dict().items())
     g = torch.Generator().manual_seed(3)
-    B, C, H = d.block_size, 11, d.config.hidden_size
+    B, C, H = d.block_size, 21, d.config.hidden_size
     noise, feats = torch.randn(1, B, H, generator=g), torch.randn(1, C, d.fc.in_features, generator=g)
+    pos = torch.arange(C + B)[None]
     with torch.no_grad():
-        want = d(noise, d.context(feats), torch.arange(C + B)[None], sdpa_dense(None))
-        got = theirs(position_ids=torch.arange(C + B)[None], noise_embedding=noise, target_hidden=feats)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        got = theirs(position_ids=pos, noise_embedding=noise, target_hidden=feats)
+        # Decoding's path (cached context keys, each layer's window) ...
+        cached = d.forward_cached(noise, d.context_kv(d.context(feats), pos[:, :C]), pos[:, C:])
+        # ... and training's: the block anchored at C, under the blocks' own masks.
+        trained = d(noise, d.context(feats), pos, make_attends(d, torch.tensor([[C]]), torch.tensor([C]), C, B))
+    torch.testing.assert_close(cached, got, atol=1e-5, rtol=0)
+    torch.testing.assert_close(trained, got, atol=1e-5, rtol=0)
+    if d.windows != {None}:     # the window cuts here: full attention computes something else
+        with torch.no_grad():
+            full = d(noise, d.context(feats), pos, sdpa_dense(None))
+        assert (full - got).abs().max() > 1e-3
 
 
 def zlab_generate(zlab, theirs, target, prompt, monkeypatch):
