@@ -30,6 +30,8 @@ import contextlib
 import datetime
 import importlib.util
 import os
+import re
+from dataclasses import dataclass
 
 import torch
 
@@ -49,10 +51,84 @@ def check(cfg, config) -> None:
     if not getattr(config, "base_model_tp_plan", None):
         raise ConfigError(f"{where}, but this target ({type(config).__name__}) has no tensor-parallel plan in "
                           "transformers; run it whole (target_tp 1)")
+    s = split_of(config, k)
+    if s.whole > WHOLE_AT_MOST * s.total:
+        group, n = max(s.whole_groups.items(), key=lambda kv: kv[1])
+        raise ConfigError(
+            f"{where}: transformers' tensor-parallel plan for {config.model_type} leaves {_named(group)} whole on "
+            f"every rank ({s.whole / s.total:.0%} of its weights), so a gang of {k} would hold "
+            f"{s.per_rank / s.total:.0%} of the target on each GPU; run it whole (target_tp 1) on GPUs that hold it")
     for name in ("num_attention_heads", "num_key_value_heads"):
         n = getattr(config, name, None)
         if n is not None and n % k:
             raise ConfigError(f"{where} does not divide the target's {name} ({n}); use a divisor of it")
+
+
+WHOLE_AT_MOST = 0.5
+"""The largest share of a target's weights a gang may keep whole on every rank. Above
+it a gang of K holds more than half the target on each GPU: for the MoE families of
+transformers 5.25 (qwen3_moe, qwen3_next, qwen3_5_moe, gpt_oss, deepseek_v3, glm4_moe,
+minimax_m2), whose plans split attention and dense MLPs but not the experts (90% and
+more of the weights), the split would cost a gang's all-reduces and save almost nothing.
+Dense targets keep under 1% whole (norms, the linear attention's convolutions). Checked
+before the heads divide: a family the plan cannot split is refused for what it is.
+(Newer transformers plans split experts, ``local_rowwise``: the share is read from the
+installed plan, so such a target passes here when it can.)"""
+SPLITTING = ("colwise", "rowwise", "packed_", "unit_", "embedding_", "moe_tp_experts")
+"""transformers' parallel styles that shard a weight (``ALL_PARALLEL_STYLES``); the rest
+(``replicate``, ``replicated_with_grad_allreduce``, ``sequence_parallel``, ``all_reduce``,
+``mla_kv_a_proj``, ``local_params``) keep it whole, as does a weight no plan entry names."""
+FAMILY_GROUPS = {"mlp.experts": "its MoE experts", "linear_attn": "its linear attention",
+                 "self_attn": "its attention"}
+
+
+@dataclass(frozen=True)
+class Split:
+    """A target's parameters under transformers' tensor-parallel plan for ``ranks`` ranks."""
+
+    ranks: int
+    total: int
+    whole: int
+    """Kept whole on every rank."""
+    whole_groups: dict
+    """Those by module (``layers.*.mlp.experts``): what the refusal names."""
+
+    @property
+    def per_rank(self) -> int:
+        """What each rank holds: its share of the split weights, and every whole one."""
+        return -(-(self.total - self.whole) // self.ranks) + self.whole
+
+
+def split_of(config, ranks: int) -> Split:
+    """How the model ``config`` describes splits over ``ranks`` ranks, from the plan its
+    transformers class carries (``model._tp_plan``: the base model's, the head's and the
+    embeddings'), built on the meta device: no memory, a second for a 1T-parameter model."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = {re.compile(re.escape(k).replace(r"\*", r"\d+") + r"(\.|$)"): v
+            for k, v in (getattr(model, "_tp_plan", None) or {}).items()}
+    total = whole = 0
+    groups: dict[str, int] = {}
+    seen = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        total += n
+        style = next((v for k, v in plan.items() if k.match(name)), None)
+        if style is None or not style.startswith(SPLITTING):
+            whole += n
+            group = re.sub(r"\.\d+\.", ".*.", name).rsplit(".", 1)[0].removeprefix("model.")
+            groups[group] = groups.get(group, 0) + n
+    return Split(ranks, total, whole, groups)
+
+
+def _named(group: str) -> str:
+    """A module group as the refusal names it: the family's part, then its path."""
+    label = next((v for k, v in FAMILY_GROUPS.items() if f".{k}" in f".{group}"), "its")
+    return f"{label} ({group})" if label != "its" else f"its {group}"
 
 
 def join(rendezvous: str, rank: int, world: int, device: torch.device, timeout_s: float) -> None:

@@ -4,7 +4,8 @@ function per process, sized from the run's shapes and a ``TraceSource``'s figure
     supervisor   the shared host state (rings, double-buffered weights and moments,
                  gradient sums, the target's shared weights, the feature cache), a CUDA
                  ring, the multi-node link's buffer
-    target.i     weights in the target's dtype (a gang rank: its 1/K), the forward's
+    target.i     weights in the target's dtype (a gang rank: its share of what the
+                 tensor-parallel plan splits, and all it keeps whole), the forward's
                  peak at the largest batch (traced)
     drafter.j    fp32 weights and their gradient sum, the frozen embeddings and head,
                  the batch's features on its device (unless the ring is there); its
@@ -153,6 +154,10 @@ class TraceSource(Protocol):
     def target_numel(self) -> int:
         """The target's parameters."""
 
+    def target_rank_numel(self, ranks: int) -> int:
+        """The target's parameters each rank of a gang of ``ranks`` holds (what the
+        tensor-parallel plan splits, over ``ranks``, and all it keeps whole)."""
+
     def drafter_numel(self) -> int:
         """The drafter's parameters."""
 
@@ -236,7 +241,8 @@ def target_parts(inp: Inputs, tr: TraceSource, pl: Placement) -> Parts:
     """Each target (a gang: each rank): its weights, unless read in place from the shared
     host copy, and its forward at the batch with the most tokens."""
     cfg, s, gang = inp.cfg, inp.shape, inp.cfg.topology.target_tp
-    numel = 0 if simulated(cfg) else tr.target_numel()
+    # A rank holds its share of what the split plan splits and every weight it keeps whole.
+    numel = 0 if simulated(cfg) else tr.target_numel() if gang == 1 else tr.target_rank_numel(gang)
     shared = _target_bytes(inp, tr)
     out = []
     for i, dev in enumerate(inp.targets):
@@ -247,8 +253,8 @@ def target_parts(inp: Inputs, tr: TraceSource, pl: Placement) -> Parts:
             continue
         if not (dev == "cpu" and _shares(cfg, shared)):
             dtype = str(resolve_dtype(cfg.target.dtype, torch.device(device_kind(dev))))[len("torch."):]
-            out.append(_part(dev, name, f"weights ({dtype})" + (f", 1/{gang} of them" if gang > 1 else ""),
-                             numel * dtype_bytes(cfg, dev) / gang, "topology.target_tp"))
+            out.append(_part(dev, name, f"weights ({dtype})" + (f", a rank's share of {gang}" if gang > 1 else ""),
+                             numel * dtype_bytes(cfg, dev), "topology.target_tp"))
         f = tr.forward(device_kind(dev), s.target_rows, s.target_length)
         out.append(_part(dev, name, f"forward at {s.target_rows} x {s.target_length} tokens (traced)"
                          + (", counted whole" if gang > 1 else ""), f.peak, "batching.token_budget"))

@@ -19,8 +19,9 @@ the feature ring (``runtime.feature_transport: auto``) and the evaluator (``eval
 auto``), each where it leaves the drafters the largest micro-batch, a GPU before the host.
 The drafters' micro-batch is chosen from their own devices' room, so a plan that does not
 fit elsewhere still shows what it would choose on the devices that fit. What does not fit
-anywhere becomes one line naming the key to change: the part that could move away, else
-the device's largest part.
+anywhere becomes one line naming the key to change: the drafter's micro-batch, else the
+part that could move away, else the parts a smaller batch shrinks (a target's forward),
+else the device's largest part.
 """
 
 from __future__ import annotations
@@ -336,6 +337,12 @@ def _problem(devs: tuple[DevicePlan, ...], placed: set[str]) -> Optional[str]:
         elif movable:
             n, key, part = min(movable, key=lambda m: m[0])
             what, hint = f"{part.process} ({_gib(n)} GiB here) could go elsewhere", "auto lets the plan place it; "
+        elif total.get("batching.token_budget", 0) >= over:
+            # Before the largest part: a target's weights name topology.target_tp, which a
+            # family the split plan cannot split refuses (tensor_parallel.check), while a
+            # smaller batch shrinks its forward on any target.
+            n, key, part = total["batching.token_budget"], "batching.token_budget", by_key["batching.token_budget"][0]
+            what = f"{part.process}'s {part.what.split(' (')[0]} holds {_gib(n)} GiB"
         else:
             part = max(d.parts, key=lambda p: p.nbytes)
             n, key = part.nbytes, part.key

@@ -126,8 +126,9 @@ class _FlexStandIn(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def flex_stand_in(anchors, lengths, ctx_len: int, block_size: int):
-    """``make_attend``'s CUDA attention, for a trace (``loss.attention_as``)."""
+def flex_stand_in(anchors, lengths, ctx_len: int, block_size: int, window=None):
+    """``make_attend``'s CUDA attention, for a trace (``loss.attention_as``): a window
+    changes which tiles flex computes, not what it keeps."""
     def attend(q, k, v):
         dev = q.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
@@ -163,7 +164,7 @@ def spread_anchors(rows: int, length: int, anchors: int) -> list[np.ndarray]:
 def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_layers: int, head_dtype: torch.dtype,
                        autocast_bf16: bool, cuda: bool, rows: int, ctx_len: int, anchors: int,
                        checkpoint_layers: bool = False, head_loss: str = "fused", loss: str = "ce",
-                       dflash2: dict | None = None) -> StepTrace:
+                       dflash2: dict | None = None, shape: dict | None = None) -> StepTrace:
     """One micro-batch of ``rows`` rows of ``ctx_len`` tokens with ``anchors`` anchors each
     through the real ``blocks_loss`` and backward, for a drafter of ``layers`` layers shaped
     like ``target_config`` reading ``feature_layers`` target layers (and the teacher's last
@@ -176,7 +177,7 @@ def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_l
     blocks = L.lay_out(batch, spread_anchors(rows, ctx_len, anchors), block_size, "cpu")
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
         drafter = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                               "trace", V, dflash2))
+                                               "trace", V, dflash2, shape))
         for p in drafter.parameters():
             p.grad = torch.zeros_like(p)
         head = SimpleNamespace(embed_tokens=torch.nn.Embedding(V, H, dtype=head_dtype).requires_grad_(False),
@@ -227,7 +228,7 @@ def trace_target_forward(target_config, *, dtype: torch.dtype, rows: int, length
     batch = packed_batch(rows, length)
     probe = probe_config(target_config, len(layer_ids))
     n = int(probe.num_hidden_layers)
-    with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+    with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), experts_fallback():
         model = AutoModelForCausalLM.from_config(probe, dtype=dtype, attn_implementation=attention_for(probe))
         target = TargetModel(model, [max(0, n - len(layer_ids) + i) for i in range(len(layer_ids))], teacher=teacher)
         # The target actor writes straight into its feature slot, which the ring's part counts.
@@ -239,6 +240,25 @@ def trace_target_forward(target_config, *, dtype: torch.dtype, rows: int, length
     return StepTrace(0, live.peak)
 
 
+@contextlib.contextmanager
+def experts_fallback():
+    """A MoE target's experts traced through transformers' own fallback for
+    ``grouped_mm``, whose output is the same ``[tokens, width]``: torch's meta kernel for
+    ``grouped_mm`` refuses float32, which its CPU kernel runs (a CPU target's dtype), and
+    transformers asks a CUDA weight's device for its capability, which a plan made for
+    GPUs elsewhere (``--gpu-memory``) does not have."""
+    from transformers.integrations import moe
+    usable = getattr(moe, "_can_use_grouped_mm", None)
+    if usable is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda *args: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = usable
+
+
 def target_numel(target_config) -> int:
     """Parameters of the model ``target_config`` describes (tied ones once), built without memory."""
     from transformers import AutoModelForCausalLM
@@ -247,13 +267,20 @@ def target_numel(target_config) -> int:
         return sum(p.numel() for p in model.parameters())
 
 
+def target_rank_numel(target_config, ranks: int) -> int:
+    """Parameters each rank of a gang of ``ranks`` holds: its share of what transformers'
+    tensor-parallel plan splits, and every weight it keeps whole (``tensor_parallel.split_of``)."""
+    from ..models.tensor_parallel import split_of
+    return split_of(target_config, ranks).per_rank
+
+
 def drafter_numel(target_config, layers: int, block_size: int, feature_layers: int,
-                  dflash2: dict | None = None) -> int:
+                  dflash2: dict | None = None, shape: dict | None = None) -> int:
     """Parameters of a drafter of ``layers`` layers for ``target_config``, built without memory."""
     V = int(target_config.vocab_size)
     with torch._subclasses.fake_tensor.FakeTensorMode():
         d = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                         "count", V, dflash2))
+                                         "count", V, dflash2, shape))
         return sum(p.numel() for p in d.parameters())
 
 
@@ -277,7 +304,8 @@ def fakes_take_multi_tensor_paths():
 
 
 def trace_optimizer_step(target_config, *, layers: int, block_size: int, feature_layers: int, drafters: int,
-                         train, device: str = "cuda", dflash2: dict | None = None) -> StepTrace:
+                         train, device: str = "cuda", dflash2: dict | None = None,
+                         shape: dict | None = None) -> StepTrace:
     """The optimizer actor's own step for a drafter of this shape on a ``device`` of that
     kind: ``optim.build_optimizer`` and ``build_scheduler`` from ``train`` (the run's
     ``TrainConfig``), then ``optim.reduce_and_step`` over ``drafters`` gradient sums in
@@ -287,7 +315,7 @@ def trace_optimizer_step(target_config, *, layers: int, block_size: int, feature
     V = int(target_config.vocab_size)
     with torch._subclasses.fake_tensor.FakeTensorMode():
         shell = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                             "trace", V, dflash2))
+                                             "trace", V, dflash2, shape))
         # Made on the device, not moved there: a CPU build fakes a CUDA tensor, not a copy to one.
         params = [torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device)) for p in shell.parameters()]
         shards = [[torch.empty(p.shape, dtype=p.dtype) for p in params] for _ in range(drafters)]

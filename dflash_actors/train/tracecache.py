@@ -13,8 +13,8 @@ demo and each of a test suite's hundred jobs. So each result is kept in
   ``tests/unit/test_tracecache.py`` runs every trace in a fresh interpreter and checks
   that it imported nothing else).
 
-``RunTraces`` answers the planner's five questions for one run's config (its step,
-forward, optimizer, and the two parameter counts: ``memplan.TraceSource``). The planner
+``RunTraces`` answers the planner's questions for one run's config (its step, forward,
+optimizer, and the parameter counts, a gang rank's among them: ``memplan.TraceSource``). The planner
 takes any ``TraceSource``, so its search is tested on made-up figures as well.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.drafter import dflash2_fields
+from ..models.drafter import SHAPE_KEYS, dflash2_fields, shape_fields
 from ..models.target import resolve_dtype
 from . import memtrace
 
@@ -90,6 +90,10 @@ class RunTraces:
         self.cache = cache or TraceCache(target_config, Path(cfg.data.cache_dir) / "memtrace")
         fields = dflash2_fields(cfg.drafter)
         self.arch = {} if fields is None else {"dflash2": fields}     # a DFlash's keys as before
+        # The drafter's own attention and MLP sizes; a window keeps what full attention keeps.
+        shape = {k: v for k, v in shape_fields(cfg.drafter).items() if k in SHAPE_KEYS}
+        if shape:
+            self.arch["shape"] = shape
 
     def step(self, device_type: str, rows: int, ctx: int, anchors: int, ckpt: bool) -> memtrace.StepTrace:
         cfg = self.cfg
@@ -116,6 +120,10 @@ class RunTraces:
     def target_numel(self) -> int:
         """The target's parameters (each counted once: tied embeddings too)."""
         return self.cache.get("target_numel")
+
+    def target_rank_numel(self, ranks: int) -> int:
+        """What each of a gang's ``ranks`` ranks holds of the target (``memtrace.target_rank_numel``)."""
+        return self.cache.get("target_rank_numel", ranks=ranks)
 
     def drafter_numel(self) -> int:
         cfg = self.cfg
