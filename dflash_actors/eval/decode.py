@@ -65,9 +65,7 @@ def greedy_cached(target, prompt: torch.Tensor, max_new_tokens: int,
                   stop_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, int]:
     """Plain greedy decoding with a KV cache, as serving runs it without a drafter:
     ``(ids, target calls)``; one call per generated token."""
-    from transformers import DynamicCache
-
-    cache, ids = DynamicCache(), prompt.to(target.device)
+    cache, ids = target.new_cache(), prompt.to(target.device)
     logits, _ = target.extend(ids, 0, cache)
     calls = 1
     while len(ids) < len(prompt) + max_new_tokens:
@@ -83,9 +81,7 @@ def greedy_cached(target, prompt: torch.Tensor, max_new_tokens: int,
 def greedy_rows(target, prompts: list[torch.Tensor], max_new_tokens: int) -> list[torch.Tensor]:
     """``greedy_cached`` of every prompt for exactly ``max_new_tokens``, stop tokens
     included (cut with ``cut_at_stop``), one target forward per step for all prompts."""
-    from transformers import DynamicCache
-
-    caches = [DynamicCache() for _ in prompts]
+    caches = [target.new_cache() for _ in prompts]
     ids = []
     for p, cache in zip(prompts, caches):
         p = p.to(target.device)
@@ -122,9 +118,12 @@ def _causal_mask(past: int, n: int, device) -> torch.Tensor | None:
 
 
 def _rows_batchable(config) -> bool:
-    """Whether every layer attends like the one mask ``_causal_mask`` builds (full causal sdpa)."""
+    """Whether every layer attends like the one mask ``_causal_mask`` builds (full causal
+    sdpa) and caches the keys and values it attends with: MLA (DeepSeek-V3's
+    ``kv_lora_rank``) caches its compressed latents, which ``_rows_attention`` cannot update."""
     types = getattr(config, "layer_types", None) or ["full_attention"]
-    return config._attn_implementation == "sdpa" and all(t == "full_attention" for t in types)
+    return (config._attn_implementation == "sdpa" and all(t == "full_attention" for t in types)
+            and getattr(config, "kv_lora_rank", None) is None)
 
 
 @torch.no_grad()
@@ -239,12 +238,14 @@ class _Decoding:
     """One generation between verify steps: what ``speculative_generate`` and
     ``speculative_generate_rows`` share, so that both decode alike."""
 
-    def __init__(self, target, prompt: torch.Tensor, max_new_tokens: int, stop_ids: tuple[int, ...]):
-        from transformers import DynamicCache
-
+    def __init__(self, target, prompt: torch.Tensor, max_new_tokens: int, block_size: int,
+                 stop_ids: tuple[int, ...]):
         self.P, self.end, self.stop_ids = len(prompt), len(prompt) + max_new_tokens, stop_ids
-        self.cache, ids = DynamicCache(), prompt.to(target.device)
+        self.cache, ids = target.new_cache(), prompt.to(target.device)
         logits, self.feats = target.extend(ids, 0, self.cache)
+        # A verify step extends by a block; a linear-attention or sliding layer must be able
+        # to take back what the target rejects (``keep_rollback``).
+        target.keep_rollback(self.cache, block_size)
         self.ids = torch.cat([ids, logits[-1].argmax()[None]])
         self.start = self.P    # ids[start] is verified but has no target state yet: the anchor
         self.gen = Generation(self.ids, [], [], [])
@@ -268,9 +269,9 @@ class _Decoding:
         self.gen.accepted.append(accepted)
         self.gen.lengths.append(accepted + 1)
         self.start += accepted + 1
-        drop = self.cache.get_seq_length() - self.start
-        if drop:        # a negative crop removes that many tokens in every transformers version
-            self.cache.crop(-drop)
+        # A negative crop removes that many tokens in every transformers version; crop(0)
+        # too, as it also drops what a recording layer kept of this step (``keep_rollback``).
+        self.cache.crop(-(self.cache.get_seq_length() - self.start))
 
     def result(self) -> Generation:
         self.gen.ids = cut_at_stop(self.ids[:self.end], self.P, self.stop_ids)
@@ -288,7 +289,7 @@ def speculative_generate(propose, target, prompt: torch.Tensor, max_new_tokens: 
     next token, and crops the cache back to the verified positions. Stops once
     ``max_new_tokens`` are produced or a stop token was.
     """
-    d = _Decoding(target, prompt, max_new_tokens, stop_ids)
+    d = _Decoding(target, prompt, max_new_tokens, block_size, stop_ids)
     while not d.done:
         draft = propose(d.ids, d.feats)[:block_size - 1]
         d.accept(draft, *target.extend(d.block(draft), d.start, d.cache))
@@ -301,7 +302,7 @@ def speculative_generate_rows(propose_rows, target, prompts: list[torch.Tensor],
     """``speculative_generate`` of every prompt, each verify step one target forward for
     all unfinished prompts (``extend_rows``; blocks under ``EXACT_ROWS`` one at a time).
     ``propose_rows(rows, ids, feats)`` drafts for the listed rows (``DrafterBlocks``)."""
-    gens = [_Decoding(target, p, max_new_tokens, stop_ids) for p in prompts]
+    gens = [_Decoding(target, p, max_new_tokens, block_size, stop_ids) for p in prompts]
     while live := [i for i, d in enumerate(gens) if not d.done]:
         drafts = [x[:block_size - 1] for x in propose_rows(live, [gens[i].ids for i in live],
                                                            [gens[i].feats for i in live])]

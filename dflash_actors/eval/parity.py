@@ -36,7 +36,7 @@ from ..console import first_line, shown_path
 from ..data.dataset import open_dataset
 from ..models.drafter import DFlashDrafter, is_drafter_dir
 from ..models.target import TargetModel
-from ..models.target_dir import resolve_target_dir
+from ..models.target_dir import attention_for, resolve_target_dir
 from ..prepare.generate import stop_ids
 from ..prepare.prompt_sets import prompt_sets
 from ..prepare.regenerate import (
@@ -111,9 +111,10 @@ def load_parity_target(target_path: str, layer_ids: list[int], cache_dir: str = 
     """``(TargetModel, tokenizer)`` on CPU in float32, exposing ``layer_ids``; the
     tokenizer None unless ``tokenizer``."""
     tdir = resolve_target_dir(target_path, None, cache_dir)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32,
+                                                 attn_implementation=attention_for(AutoConfig.from_pretrained(tdir)))
     return TargetModel(model, layer_ids), (load_tokenizer(tdir) if tokenizer else None)
 
 

@@ -5,8 +5,8 @@ directory. Cheapest first: the run directory can be written; the config's refere
 (a simulated shape, held-out data, the evaluator's device); the dataset's structure,
 and that it has an anchor to train on; then, once the topology is known, the injected
 faults against the actors, the devices, the target's shape (the tiny default is built
-here, once), the token range against its vocabulary, and every epoch's plan. Each step
-that can take over a second shows progress.
+here, once) and family (``check_family``), the token range against its vocabulary, and
+every epoch's plan. Each step that can take over a second shows progress.
 
 The result, ``Preflight``, is what the job and every ``launch.py`` option build on, so
 nothing opens the dataset or plans an epoch twice. It comes in two steps because
@@ -29,6 +29,7 @@ from ..data.dataset import TokenDataset, open_dataset
 from ..data.synthetic import train_path
 from ..models import tensor_parallel
 from ..models.head import TargetInfo, target_info
+from ..models.target_dir import VERIFIED_FAMILIES
 from ..runtime.faults import check_faults
 from ..train import feature_cache, simulate
 from ..train.memplan import BatchShape, MemoryPlan, plan_memory
@@ -108,6 +109,7 @@ def preflight(cfg: Config, node: int = 0, progress: bool = True, data: Optional[
     heads = gang_heads(devices, top.target_tp)
     with console.phase("read the target's config (the tiny default is built once)", progress):
         target = target_info(cfg, "cpu")
+    check_family(cfg, target.config)
     tensor_parallel.check(cfg, target.config)
     shape = BatchShape.of_config(cfg) if data.dataset is None else \
         BatchShape.of_plan(cfg, data.dataset.lengths, data.plan0)
@@ -129,6 +131,20 @@ def preflight(cfg: Config, node: int = 0, progress: bool = True, data: Optional[
         raise ConfigError(f"train.grad_accum: no optimizer step fits an epoch ({len(data.plan0)} "
                           f"batches; a step needs grad_accum * drafters = {schedule.per_step})")
     return Preflight(**fields_, devices=devices, target=target, schedule=schedule, plan=plan)
+
+
+def check_family(cfg: Config, target_config) -> None:
+    """Refuse ``target.self_check: false`` on a family the target zoo does not verify
+    (``VERIFIED_FAMILIES``). The wrapper runs each sequence in its own right-padded row
+    with no mask, which keeps sequences apart only in a model whose every layer is
+    causal and whose rows never meet (no MoE capacity shared by a batch, no state carried
+    between rows); the self-check holds the features to the model's own forward before
+    training. Without it, nothing would: such a run could train on leaked features."""
+    kind = getattr(target_config, "model_type", None)
+    if not cfg.target.self_check and kind not in VERIFIED_FAMILIES:
+        raise ConfigError(f"target.self_check: off for a {kind!r} target, a family no test here verifies "
+                          f"(verified: {', '.join(VERIFIED_FAMILIES)}); leave it on, and each target checks its "
+                          "features against the model's own forward before training")
 
 
 def resolved(cfg: Config, pre: Preflight) -> Config:

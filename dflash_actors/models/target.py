@@ -71,7 +71,11 @@ class TargetModel:
         self.layer_ids = list(layer_ids)
         # The layers a feature slot holds: the drafter's, then (distillation) the last.
         self.feature_ids = self.layer_ids + ([self.num_layers - 1] if teacher else [])
-        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        # The drafter embeds its noise tokens by the rows of the target's matrix, as the
+        # drafter actor's ``TargetHead`` and the serving engines' shared embedding do. A
+        # target's own module may scale them (Gemma 3's ``embed_scale``; Gemma 2 scales in
+        # its forward instead): the same weights, without the module's forward.
+        self.embed_tokens = nn.Embedding.from_pretrained(model.get_input_embeddings().weight, freeze=True)
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self.device = self.embed_tokens.weight.device
         self.dtype = self.embed_tokens.weight.dtype
@@ -141,10 +145,32 @@ class TargetModel:
         return out.logits, torch.cat([out.hidden_states[L + 1] for L in ids], dim=-1)
 
 
+    def new_cache(self):
+        """An empty cache for ``extend`` with this model's kinds of layers. A transformers
+        ``DynamicCache`` made without the config holds keys and values for every layer,
+        which a linear-attention layer (Qwen3-Next, Qwen3.5) does not produce: it keeps
+        a convolution window and a recurrent state instead."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    @staticmethod
+    def keep_rollback(cache, tokens: int) -> None:
+        """Let ``cache.crop(-n)`` take back up to ``tokens`` positions of each later
+        forward, as speculative decoding's verify step needs. Full keys and values are cut
+        back anyway; a linear-attention layer's state is not a list of positions, and a
+        sliding layer drops what falls out of its window, so from here on they record
+        what each forward's last ``tokens`` positions replaced, until the next crop uses
+        and drops it: crop after every verify step, ``crop(0)`` included. Called after
+        the prefill, as transformers' assisted decoding does: recording the prefill would
+        keep a state per prompt position. Greedy decoding, which never crops, leaves it off."""
+        if any(hasattr(layer, "activate_past_recording") for layer in getattr(cache, "layers", ())):
+            cache.activate_past_recording(recurrent_states_to_keep=tokens)
+
     @torch.no_grad()
     def extend(self, ids: torch.Tensor, start: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoding's forward: ``ids`` ``[L]`` at positions ``start..`` after the ``start``
-        positions held in ``cache`` (a transformers ``DynamicCache``, extended in place).
+        positions held in ``cache`` (``new_cache``, extended in place).
         Returns next-token logits ``[L, V]`` and selected layers ``[L, k*H]``."""
         positions = torch.arange(start, start + len(ids), device=ids.device)[None]
         out = self.model(input_ids=ids[None], position_ids=positions, past_key_values=cache, use_cache=True,

@@ -16,6 +16,12 @@ from transformers import AutoModelForCausalLM
 from ..console import first_line
 from ..runtime.files import write_atomically
 
+VERIFIED_FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss",
+                     "deepseek_v3", "gemma3_text", "glm4_moe", "minimax_m2")
+"""Target ``model_type``s whose padded batches the target zoo verifies, each with its
+features on (tests/support/zoo.py, docs/targets.md): kill-and-resume bit-identical to the
+reference, ``evaluate`` lossless. Any other family trains only behind its own self-check."""
+
 
 def attention_for(config) -> str:
     """The attention implementation to build a target of ``config`` with: ``sdpa`` where

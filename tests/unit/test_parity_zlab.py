@@ -4,10 +4,11 @@ could not be fetched, with the reason.
 
 A DFlash, a DFlash2 and a DFlash drafter with a sliding-window layer (window 8, next to a
 full one; the prompts and the test's context are longer than the window), each fitted for
-a moment to the tiny target's greedy text, are exported (``save_pretrained``) and loaded by z-lab's ``DFlashDraftModel`` /
-``DFlash2DraftModel.from_pretrained``. Their forward gives our hidden states, and z-lab's
-``dflash_generate`` (greedy, the target's HF model) gives the tokens ours does, with the
-same accepted length at every verify step where z-lab verifies a whole block.
+a moment to the tiny target's greedy text, are exported (``save_pretrained``) and loaded
+by z-lab's ``DFlashDraftModel`` / ``DFlash2DraftModel.from_pretrained``. Their forward
+gives our hidden states, and z-lab's ``dflash_generate`` (greedy, the target's HF model)
+gives the tokens ours does, with the same accepted length at every verify step where
+z-lab verifies a whole block.
 
 Where the two counts part, by design: near ``max_new_tokens`` z-lab 0.1.0 verifies a
 shorter block, counts only the tokens that fit and stops once ``max_new_tokens`` are

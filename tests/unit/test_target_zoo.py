@@ -1,56 +1,94 @@
-"""The target families users bring (issue 56's zoo, first part): for each, a tiny random
-target from transformers' own config class with the family's features on (MoE routing,
-attention sinks, alternating sliding and full layers, linear attention, MLA, partial
-rotary, soft-capping), and the hidden-state self-check on its features, with sequences
-longer than any sliding window. Not yet here: the kill-and-resume runs, ``evaluate`` and
-the plan at full size per family."""
+"""The target families users bring (issue 56's zoo), each a tiny random target with its
+features on (``tests.support.zoo``): the hidden-state self-check on its padded batches,
+with sequences longer than any sliding window; speculative decoding's cache rollback,
+lossless; and the preflight's refusal of an unverified family without the self-check.
+The launched runs (kill -9 and resume, ``evaluate``) are tests/integration/test_zoo_runs.py."""
+
+import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from dflash_actors.config import load_config
+from dflash_actors.config import ConfigError, load_config
+from dflash_actors.eval.decode import greedy_generate
+from dflash_actors.job.preflight import check_family
+from dflash_actors.models.drafter import OFFSET_NORM_FAMILIES, DFlashDrafter, drafter_config, init_from_target
 from dflash_actors.models.self_check import self_check
 from dflash_actors.models.target import TargetModel, load_target
-from dflash_actors.models.target_dir import attention_for
+from dflash_actors.models.target_dir import VERIFIED_FAMILIES, attention_for
 from tests.support.pipeline import ROOT
+from tests.support.zoo import FAMILIES, build_model, family_config
 
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
-WINDOW = 8
-"""Every sliding window here is 8 positions; the self-check's sequences are 12 and 24."""
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-              full_attention_interval=2)
-FAMILIES = {
-    "llama": {},
-    "qwen3": {},
-    "qwen3_moe": dict(num_experts=4, decoder_sparse_step=1, **MOE),
-    "qwen3_next": dict(num_experts=4, shared_expert_intermediate_size=32, partial_rotary_factor=0.25, **MOE, **LINEAR),
-    "qwen3_5_text": dict(LINEAR),
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
-    # MLA: no grouped KV heads, its own head sizes.
-    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, n_routed_experts=4, n_shared_experts=1,
-                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-                        qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, **MOE),
-    "gemma3_text": dict(sliding_window=WINDOW, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
-    "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                     partial_rotary_factor=0.5, **MOE),
-    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
-}
+LINEAR = [f for f in FAMILIES if "linear_attention" in (getattr(family_config(f), "layer_types", None) or ())]
 
 
-def family_config(family: str):
-    kw = {k: v for k, v in {**BASE, **FAMILIES[family]}.items() if v is not None}
-    return AutoConfig.for_model(family, **kw)
+@pytest.fixture(scope="module")
+def models():
+    """Each family's tiny target, built once for this module; one thread, as the
+    other unit tests run (two threads of tiny matrices cost more than one here)."""
+    torch.set_num_threads(1)
+    return {}
+
+
+def model(models, family):
+    if family not in models:
+        models[family] = build_model(family)
+    return models[family]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_self_check_passes_on_every_family(family):
-    config = family_config(family)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(config)).float()
-    self_check(TargetModel(model, [0, 2]), length=24)
+def test_the_self_check_passes_on_every_family(models, family):
+    self_check(TargetModel(model(models, family), [0, 2]), length=24)
+
+
+def test_the_zoo_is_what_the_project_calls_verified():
+    assert set(FAMILIES) == set(VERIFIED_FAMILIES)
+    assert set(LINEAR) == {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
+
+
+@pytest.mark.parametrize("family", LINEAR)
+def test_packing_two_sequences_in_one_row_would_leak_through_linear_attention(models, family):
+    """Why the wrapper gives each sequence its own row: packed into one row with position
+    ids that restart, full attention stays per sequence (transformers reads the restart),
+    but a linear-attention layer carries its state from the first sequence into the
+    second. The self-check's layout holds both apart, so a wrapper that packed rows would
+    fail it."""
+    target = TargetModel(model(models, family), [0, 2])
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 100, (12,), generator=g), torch.randint(3, 100, (24,), generator=g)
+    packed = torch.cat([a, b])[None]
+    positions = torch.cat([torch.arange(12), torch.arange(24)])[None]
+    out = target.model(input_ids=packed, position_ids=positions, use_cache=False, output_hidden_states=True)
+    _, alone = target.logits_and_hidden(b[None], [0])
+    leak = (out.hidden_states[1][0, 12:] - alone[0]).abs().max()
+    assert leak > 1e-3 * alone.abs().max(), "linear attention no longer carries state across a packed row"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_verify_and_rollback_decode_the_targets_own_greedy_text(models, family):
+    """Speculative decoding's target side on every family: ``new_cache`` holds the
+    family's kinds of layers (recurrent state, sliding windows), ``keep_rollback`` lets a
+    verify step's rejected drafts be cropped away, and the text is the target's own
+    greedy continuation, past the window of 8."""
+    target = TargetModel(model(models, family), [0, 2])
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 100, (7,), generator=g)
+    want = greedy_generate(target, prompt, 24)
+    cache = target.new_cache()
+    logits, _ = target.extend(prompt, 0, cache)
+    target.keep_rollback(cache, 4)
+    ids, start = torch.cat([prompt, logits[-1].argmax()[None]]), len(prompt)
+    while len(ids) < len(want):
+        right = want[start + 1:start + 1 + int(torch.randint(0, 4, (1,), generator=g))]
+        draft = torch.cat([right, torch.randint(3, 100, (3 - len(right),), generator=g)])
+        logits, _ = target.extend(torch.cat([ids[start:start + 1], draft]), start, cache)
+        posterior = logits.argmax(-1)
+        accepted = int((draft == posterior[:-1]).long().cumprod(0).sum())
+        ids = torch.cat([ids[:start + 1], draft[:accepted], posterior[accepted:accepted + 1]])
+        start += accepted + 1
+        cache.crop(-(cache.get_seq_length() - start))
+    assert torch.equal(ids[:len(want)], want)
 
 
 def test_a_family_without_sdpa_loads_with_eager_attention(tmp_path):
@@ -60,10 +98,55 @@ def test_a_family_without_sdpa_loads_with_eager_attention(tmp_path):
     with pytest.raises(ValueError, match="scaled_dot_product_attention"):
         AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     assert attention_for(config) == "eager" and attention_for(family_config("qwen3")) == "sdpa"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(tmp_path / "t")
+    build_model("gpt_oss").save_pretrained(tmp_path / "t")
     cfg = load_config(ROOT / "configs/default.yaml", [f"target.path={tmp_path / 't'}",
                                                       "drafter.target_layer_ids=[0, 2]"])
     target = load_target(cfg, "cpu")
     assert target.model.config._attn_implementation == "eager"
     self_check(target, length=24)
+
+
+def test_an_unverified_family_without_the_self_check_is_refused():
+    cfg = load_config(ROOT / "configs/default.yaml", ["target.self_check=false"])
+    check_family(cfg, family_config("qwen3_next"))      # verified: the user's choice
+    unknown = family_config("llama")
+    unknown.model_type = "olmo3"
+    with pytest.raises(ConfigError, match=r"^target\.self_check: off for a 'olmo3' target") as e:
+        check_family(cfg, unknown)
+    assert "\n" not in str(e.value)
+    check_family(load_config(ROOT / "configs/default.yaml"), unknown)     # checked at start: fine
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_drafters_copied_norms_compute_the_targets(models, family):
+    """``drafter.init: target`` copies norms as the family's own modules compute them: a
+    zero weight is a zero output where a norm scales by ``w``, the input normalised where it
+    scales by ``1 + w`` (``OFFSET_NORM_FAMILIES``, copied as ``1 + w``); and the copied final
+    norm gives the target's final norm of the same input."""
+    m = model(models, family)
+    norm = m.model.norm
+    x = torch.randn(3, m.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        zeroed = copy.deepcopy(norm)
+        zeroed.weight.zero_()
+        assert (zeroed(x).abs().max() > 0.1) == (family in OFFSET_NORM_FAMILIES)
+        d = DFlashDrafter(drafter_config(m.config, 1, 4, [0], 127, "test", 128))
+        state = {k: v + 0.1 * torch.randn(v.shape) if k.endswith("norm.weight") else v
+                 for k, v in m.state_dict().items()}     # norms off their start, so that a wrong copy shows
+        init_from_target(d, state.get, m.config.num_hidden_layers, ("norm",), family)
+        norm.weight.copy_(state["model.norm.weight"])
+        torch.testing.assert_close(d.norm(x), norm(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_layers_are_copied_only_from_a_family_whose_layers_a_drafter_has(models, family):
+    m = model(models, family)
+    d = DFlashDrafter(drafter_config(m.config, 1, 4, [0], 127, "test", 128))
+    state = m.state_dict()
+    if family in ("llama", "qwen3"):
+        init_from_target(d, state.get, m.config.num_hidden_layers, ("layers",), family)
+        assert torch.equal(d.layers[0].mlp.down_proj.weight, state["model.layers.1.mlp.down_proj.weight"])
+    else:
+        with pytest.raises(ValueError, match=f"drafter.init_parts: layers: the {family}'s layer 1 .*drafter.init: "
+                                             "random"):
+            init_from_target(d, state.get, m.config.num_hidden_layers, ("layers",), family)
