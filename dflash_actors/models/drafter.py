@@ -487,36 +487,68 @@ def target_init_plan(layer_ids: list[int], num_target_layers: int, num_layers: i
             "hidden_norm_from": min(deepest + 1, num_target_layers - 1)}
 
 
+OFFSET_NORM_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next", "qwen3_5", "qwen3_5_text",
+                        "qwen3_5_moe", "qwen3_5_moe_text")
+"""Target families whose RMSNorm scales by ``1 + w`` (zero-centred weights) where the
+drafter's scales by ``w``: their norms are copied as ``1 + w``, the same function
+(``tests/unit/test_target_zoo.py`` holds this list to transformers' own modules)."""
+NOT_IN_A_DRAFTER_LAYER = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                          "self_attn.o_proj.bias", "self_attn.sinks", "pre_feedforward_layernorm.weight",
+                          "post_feedforward_layernorm.weight")
+"""Target layer tensors whose layer computes what a drafter layer cannot (biases, gpt-oss's
+attention sinks, Gemma's sandwich norms, where ``post_attention_layernorm`` normalises the
+attention's output): copying the rest would start the drafter from another function."""
+OPTIONAL_IN_TARGET = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+"""A Llama has no q/k norms: the drafter's stay at 1, which is what a Llama computes."""
+
+
 @torch.no_grad()
 def init_from_target(drafter: DFlashDrafter, read, num_target_layers: int,
-                     parts: tuple[str, ...] = INIT_PARTS) -> DFlashDrafter:
+                     parts: tuple[str, ...] = INIT_PARTS, family: str = "") -> DFlashDrafter:
     """Overwrite ``parts`` of ``drafter`` with the target's own weights, ``read(name)``
-    giving a target tensor by its HF name (or None when the target has none: a Llama
-    has no q/k norms, which then stay at 1).
+    giving a target tensor by its HF name (or None when the target has none).
 
     * ``layers``: drafter layer i <- target layer ``plan["layers"][i]`` (attention
-      projections, MLP, both norms);
+      projections, MLP, both norms), refused unless that layer is a Qwen3-style layer
+      whole (a MoE, linear-attention or MLA layer has other tensors; ``NOT_IN_A_DRAFTER_LAYER``);
     * ``fc``: ``[0 | .. | I | .. | 0]``, the deepest feature layer passed through;
     * ``hidden_norm``: that next target layer's input norm;
     * ``norm``: the target's final norm, which the target's own head expects.
+
+    A ``family`` of ``OFFSET_NORM_FAMILIES`` has its norms copied as ``1 + w``.
     """
     unknown = set(parts) - set(INIT_PARTS)
     if unknown:
         raise ValueError(f"drafter.init_parts: unknown {sorted(unknown)} (choose from {list(INIT_PARTS)})")
     plan = target_init_plan(drafter.target_layer_ids, num_target_layers, len(drafter.layers))
+    instead = "drop layers from drafter.init_parts, or set drafter.init: random"
 
-    def put(param: torch.Tensor, name: str) -> None:
-        t = read(name)
+    def put(param: torch.Tensor, name: str, t: torch.Tensor | None = None) -> None:
+        t = read(name) if t is None else t
         if t is None:
             return
         if t.shape != param.shape:
             raise ValueError(f"drafter.init: target tensor {name} has shape {tuple(t.shape)}, "
                              f"the drafter's is {tuple(param.shape)}")
+        if name.endswith("norm.weight") and family in OFFSET_NORM_FAMILIES:
+            t = 1.0 + t.float()
         param.copy_(t.to(param.dtype))
     if "layers" in parts:
         for layer, src in zip(drafter.layers, plan["layers"]):
-            for name, param in layer.named_parameters():
-                put(param, f"model.layers.{src}.{name}")
+            # A DFlash2's block convolutions are the drafter's own (they start as the identity).
+            names = {n: p for n, p in layer.named_parameters() if "_conv." not in n}
+            theirs = {n: read(f"model.layers.{src}.{n}") for n in (*names, *NOT_IN_A_DRAFTER_LAYER)}
+            missing = [n for n in names if n not in OPTIONAL_IN_TARGET and theirs[n] is None]
+            extra = [n for n in NOT_IN_A_DRAFTER_LAYER if theirs[n] is not None]
+            other = [n for n, p in names.items() if theirs[n] is not None and theirs[n].shape != p.shape]
+            if missing or extra or other:
+                why = (f"has no {missing[0]}" if missing else f"has {extra[0]}, which a drafter layer lacks" if extra
+                       else f"has {other[0]} of shape {tuple(theirs[other[0]].shape)}, the drafter's "
+                            f"{tuple(names[other[0]].shape)}")
+                raise ValueError(f"drafter.init_parts: layers: the {family or 'target'}'s layer {src} {why}, so it "
+                                 f"is no drafter layer to copy; {instead}")
+            for name, param in names.items():
+                put(param, f"model.layers.{src}.{name}", theirs[name])
     if "fc" in parts:
         h = drafter.config.hidden_size
         k = drafter.target_layer_ids.index(plan["deepest"])
@@ -625,7 +657,8 @@ def build_drafter(cfg, target) -> DFlashDrafter:
             raise ValueError(f"drafter.init_from: {e}") from None
     d = DFlashDrafter(config).init_weights(cfg.train.seed)
     if cfg.drafter.init == "target":
-        init_from_target(d, target_reader(cfg, target), int(target.config.num_hidden_layers), cfg.drafter.init_parts)
+        init_from_target(d, target_reader(cfg, target), int(target.config.num_hidden_layers), cfg.drafter.init_parts,
+                         getattr(target.config, "model_type", ""))
     return d.to(target.device)
 
 
