@@ -55,6 +55,45 @@ def test_vllm_rotates_the_dims_the_drafter_trained_with(tmp_path):
     assert vllm_rope(tmp_path / "copied")["rotary_dim"] == 8
 
 
+# vLLM's own reading of each DFlash draft layer's attention: (sliding window, causal).
+ATTENTION_AS_VLLM_READS = """
+import json, sys
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.models.qwen3_dflash import _resolve_layer_attention
+from vllm.transformers_utils.config import get_config
+cfg = get_config(sys.argv[1], trust_remote_code=False)
+with set_current_vllm_config(VllmConfig()):
+    print(json.dumps([_resolve_layer_attention(cfg, i) for i in range(cfg.num_hidden_layers)]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_vllm_reads_the_window_and_the_blocks_both_ways(tmp_path):
+    """A drafter whose layers are all sliding_attention of 64: vLLM gives each layer that
+    window, non-causal, as trained. The control, the export without ``is_causal``, is read
+    causal in the block (why the export always writes it)."""
+    from transformers import Qwen3Config
+
+    from dflash_actors.models.drafter import DFlashDrafter, drafter_config
+    t = Qwen3Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                    intermediate_size=128, vocab_size=300)
+    shape = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 64}
+    DFlashDrafter(drafter_config(t, 2, 8, [1], 299, "test", 300, None, shape)).init_weights(0).save_pretrained(
+        tmp_path / "dr")
+
+    def read(path):
+        r = subprocess.run([str(VLLM_PYTHON), "-c", ATTENTION_AS_VLLM_READS, str(path)], capture_output=True,
+                           text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    assert read(tmp_path / "dr") == [[64, False], [64, False]]
+    conf = json.loads((tmp_path / "dr" / "config.json").read_text())
+    del conf["is_causal"]
+    (tmp_path / "causal").mkdir()
+    (tmp_path / "causal" / "config.json").write_text(json.dumps(conf))
+    assert read(tmp_path / "causal") == [[64, True], [64, True]]
+
+
 @pytest.mark.timeout(900)
 def test_serve_check_agrees_on_a_short_demo_run(tmp_path, cache_dir):
     run = tmp_path / "run"
