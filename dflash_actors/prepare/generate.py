@@ -9,6 +9,7 @@ s)`` returns ``(prompt indices, token arrays, loss masks)`` in prompt order, and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,16 @@ def generate_batch(model, prompts: list[list[int]], sampling: SamplingSettings, 
 
 
 BATCHINGS = ("fixed", "continuous")
+
+
+def batching_for(model, batching: str) -> str:
+    """``batching``, unless ``continuous`` and the model keeps a layer state other than
+    keys and values (Qwen3-Next's and Qwen3.5's linear attention: a convolution window
+    and a recurrent state), which ``ContinuousBatch``'s re-packed per-layer cache cannot
+    carry: then ``fixed`` (transformers' own ``generate``, whose left padding such layers
+    mask out). Greedy text is the same either way."""
+    kinds = set(getattr(model.config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    return "fixed" if batching == "continuous" and kinds else batching
 
 REFILL_SHARE = 0.25
 """A continuous batch takes new prompts once this share of its rows is free (or it is
@@ -256,6 +267,8 @@ class InProcessEngine:
         self.device = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(sampling.dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(self.device).eval()
+        # What the dataset records (prepare.json): the batching that really ran.
+        sampling = dataclasses.replace(sampling, batching=batching_for(self.model, sampling.batching))
         self.stops = stop_ids(tokenizer, self.model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stops or [0])[0]
         self.sampling, self.batch_size, self.bar = sampling, batch_size, bar

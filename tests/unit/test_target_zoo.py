@@ -17,6 +17,7 @@ from dflash_actors.models.drafter import OFFSET_NORM_FAMILIES, DFlashDrafter, dr
 from dflash_actors.models.self_check import self_check
 from dflash_actors.models.target import TargetModel, load_target
 from dflash_actors.models.target_dir import VERIFIED_FAMILIES, attention_for
+from dflash_actors.prepare.generate import ContinuousBatch, SamplingSettings, batching_for, generate_batch
 from tests.support.pipeline import ROOT
 from tests.support.zoo import FAMILIES, build_model, family_config
 
@@ -150,3 +151,20 @@ def test_layers_are_copied_only_from_a_family_whose_layers_a_drafter_has(models,
         with pytest.raises(ValueError, match=f"drafter.init_parts: layers: the {family}'s layer 1 .*drafter.init: "
                                              "random"):
             init_from_target(d, state.get, m.config.num_hidden_layers, ("layers",), family)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prepares_in_process_batching_regenerates_each_prompts_own_text(models, family):
+    """``prepare``'s in-process engine, with the batching it picks for the family
+    (``batching_for``: a linear-attention target cannot ride the continuous batch's cache),
+    gives each prompt the greedy text the target gives it alone."""
+    m = model(models, family).eval()
+    settings = SamplingSettings(max_new_tokens=10)
+    prompts = [[5 + i % 7 for i in range(n)] for n in (9, 14, 20, 11)]
+    alone = [generate_batch(m, [p], settings, [], 0, 0)[0] for p in prompts]
+    if batching_for(m, "continuous") == "continuous":
+        out = ContinuousBatch(m, 2, [], 0, settings, torch.Generator().manual_seed(0)).run(list(enumerate(prompts)))
+        assert [out[i] for i in range(len(prompts))] == alone
+    else:
+        assert family in LINEAR
+        assert generate_batch(m, prompts, settings, [], 0, 0) == alone
