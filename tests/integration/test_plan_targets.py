@@ -64,3 +64,23 @@ def test_the_committed_plans_still_hold(name, placement, tmp_path, cache_dir):
 @pytest.mark.parametrize("name", [n for n in FIXTURES if n not in CHEAP])
 def test_the_rest_of_the_committed_plans_still_hold(name, placement, tmp_path, cache_dir):
     check_plan(name, placement, tmp_path, cache_dir)
+
+
+TEMPLATE_GIBS = {"8x80": 80, "8x141": 141}
+
+
+@pytest.mark.parametrize("gpus", list(TEMPLATE_GIBS))
+@pytest.mark.parametrize("template", [pytest.param(t, marks=() if "qwen3-8b" in t or "27b" in t else pytest.mark.slow)
+                                      for t in PT.TEMPLATES])
+def test_each_templates_committed_plan_on_eight_gpus_still_holds(template, gpus, tmp_path, cache_dir):
+    """The GPU templates as committed (``plan_targets --templates``): the two that users
+    start from most are planned again in every run, the MoE and gpt-oss ones in the slow tier."""
+    name, placement = PT.TEMPLATES[template]
+    want = json.loads((PT.PLANS / f"template-{template.split('/')[-1].removesuffix('.yaml')}.json").read_text())
+    want = want["plans"][gpus]
+    code, line, error = PT.plan(PT.write_target(FIXTURES[name], tmp_path / "target"), placement, TEMPLATE_GIBS[gpus],
+                                tmp_path / "run", template=template, sets=(f"data.cache_dir={cache_dir}",))
+    got = PT.decided(code, line, error)
+    assert got["exit"] == 0 and got["fits"], got.get("refusal")
+    for key in ("drafter_block_tokens", "checkpoint_layers", "optimizer_device", "eval_device"):
+        assert got[key] == want[key], (template, gpus, key)
