@@ -146,13 +146,26 @@ def test_every_command_starts_from_the_same_default():
     assert ours != Config()     # the file is not the dataclass defaults
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b.yaml", "qwen3.6-27b.yaml"])
+PUBLISHED = {
+    # template: (arch, layers, block, gamma, layer types, window, heads, KV heads, head_dim)
+    "qwen3-8b.yaml": ("dflash", 5, 16, 7.0, None, None, None, None, None),
+    "qwen3-coder-30b-a3b.yaml": ("dflash", 5, 16, 7.0, None, None, None, None, None),
+    "gpt-oss-20b.yaml": ("dflash", 5, 16, 7.0, None, None, None, None, None),
+    # tests/fixtures/drafters/qwen3.6-27b-dflash2.json, and NeMo's gamma 4 for block 8
+    "qwen3.6-27b.yaml": ("dflash2", 5, 8, 4.0, ("sliding_attention",) * 5, 2048, 32, 8, 128),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
 def test_gpu_templates_carry_the_published_recipe(name):
     """Parsing only: the templates name local paths that do not exist here."""
     cfg = load_config(ROOT / "configs" / name)
-    assert (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.train.gamma, cfg.train.num_anchors) == (5, 16, 7.0, 512)
+    d = cfg.drafter
+    assert (d.arch, d.num_layers, d.block_size, cfg.train.gamma, d.windows, d.sliding_window, d.num_attention_heads,
+            d.num_key_value_heads, d.head_dim) == PUBLISHED[name]
+    assert cfg.train.num_anchors == 512
     assert (cfg.train.lr, cfg.train.warmup_ratio, cfg.train.grad_clip, cfg.train.epochs) == (6e-4, 0.04, 1.0, 6)
-    assert cfg.batching.token_budget == 65536 and cfg.target.dtype == "bfloat16"
+    assert cfg.batching.token_budget == (16384 if "gpt-oss" in name else 65536) and cfg.target.dtype == "bfloat16"
     assert cfg.eval.every and cfg.eval.data
 
 
