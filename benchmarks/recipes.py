@@ -76,10 +76,6 @@ VARIANTS = {
                     "drafter.arch=dflash2", "drafter.selector_rank=32"],
     "dflash2_r128": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=full",
                      "drafter.arch=dflash2", "drafter.selector_rank=128"],
-    # Sliding-window drafter layers (#56) against none, on the config as it is: every layer
-    # sliding_attention, a window of 64 or 128 (the texts run to about 300 tokens).
-    "window64": ["drafter.init=random", "train.position_weight=dpace", "drafter.sliding_window=64"],
-    "window128": ["drafter.init=random", "train.position_weight=dpace", "drafter.sliding_window=128"],
     "dflash2_r32_stop": ["drafter.init=random", "train.position_weight=dpace", "train.head_vocab=full",
                          "drafter.arch=dflash2", "drafter.selector_rank=32", "train.selector_grad=stop"],
     # Signal and capacity at the journey's budget (#45, item 3), each against the config as
@@ -89,6 +85,9 @@ VARIANTS = {
     # move the default taps, which taps:A-B-C measures on its own).
     "d2_layers3": ["drafter.init=random", "train.position_weight=dpace", "drafter.num_layers=3",
                    "drafter.target_layer_ids=[1, 27]"],
+    # Sliding-window drafter layers (#56) against none ("default"), on the config as it is:
+    # every layer sliding_attention, a window of 64 (the texts run to about 200 tokens).
+    "d2_window64": ["drafter.init=random", "train.position_weight=dpace", "drafter.sliding_window=64"],
     "d2_distill": ["drafter.init=random", "train.position_weight=dpace", "train.loss=distill"],
     "d2_wd0.1": ["drafter.init=random", "train.position_weight=dpace", "train.weight_decay=0.1"],
     # The optimiser's two plain knobs at the journey's budget, neither measured upward

@@ -166,11 +166,14 @@ class DrafterConfig:
     """An unused embedding row of the target; None = the target's last vocab row."""
     init_from: Optional[str] = checked(None, optional(nonempty))
     """A drafter directory (e.g. a released DFlash drafter) to start from; None = ``init``."""
-    arch: Literal["dflash", "dflash2"] = "dflash"
+    arch: Literal["dflash", "dflash2", "dspark"] = "dflash"
     """``dflash``: the drafter of April 2026 (``DFlashDraftModel``). ``dflash2``: DFlash2
     (``DFlash2DraftModel``): a two-tap in-block convolution around every sublayer and a
     candidate selector that proposes from the head's top ``selector_top_k`` per slot
-    (``models.dflash2``). Both start computing the same thing."""
+    (``models.dflash2``). Both start computing the same thing. ``dspark``: DSpark
+    (``Qwen3DSparkModel``): DFlash's backbone whose every slot proposes (slot k predicts
+    the token after ``a + k``, so a block of B drafts B), a Markov head and a confidence
+    head (``models.dspark``); its loss needs ``train.loss: distill``."""
     conv_kernel_size: int = checked(2, at_least(1))
     """dflash2: taps of the in-block convolution (self and predecessor, as published)."""
     conv_group_size: int = checked(16, at_least(1))
@@ -199,6 +202,24 @@ class DrafterConfig:
     head_dim: Optional[int] = checked(None, optional(at_least(1)))
     intermediate_size: Optional[int] = checked(None, optional(at_least(1)))
     """The drafter's MLP width; None = the target's (a MoE target's dense MLP width)."""
+    markov_rank: int = checked(256, at_least(1))
+    """dspark: width of the Markov head, two ``[vocab, rank]`` tables (``W2 W1[prev]`` is a
+    full-vocabulary bias from the previous token; DeepSpec's 256 at 4,096-wide targets)."""
+    confidence_with_markov: bool = True
+    """dspark: the confidence head reads ``[h ; W1[prev]]`` (DeepSpec's default), else ``h`` alone."""
+    dspark_ce_alpha: float = checked(0.1, at_least(0))
+    """dspark: weight of the cross-entropy against the data's token."""
+    dspark_distance_alpha: float = checked(0.9, at_least(0))
+    """dspark: weight of the distance to the target's distribution (``dspark_distance``)."""
+    dspark_confidence_alpha: float = checked(1.0, at_least(0))
+    """dspark: weight of the confidence head's BCE against ``1 - TV``; 0 builds no confidence head."""
+    dspark_distance: Literal["l1", "kl"] = "l1"
+    """dspark: ``l1``: ``sum_v |p_draft - p_target|`` (DeepSpec, NeMo, SpecForge);
+    ``kl``: ``KL(p_target || p_draft)`` (speculators' default)."""
+    selector_init: Literal["zeros", "normal"] = "zeros"
+    """dflash2: how a new drafter's selector starts (the predecessor codebook is normal(0.02)
+    either way). ``zeros``: a zero successor codebook, so the selector starts at DFlash's
+    argmax; ``normal``: normal(0.02), as speculators 0.9.0 starts it."""
 
     def __post_init__(self):
         bad = set(self.init_parts) - {"layers", "fc", "hidden_norm", "norm"}
@@ -221,6 +242,9 @@ class DrafterConfig:
         heads, kv = self.num_attention_heads, self.num_key_value_heads
         if heads is not None and kv is not None and heads % kv:
             raise ConfigError(f"num_key_value_heads: must divide drafter.num_attention_heads={heads} (got {kv})")
+        if self.arch == "dspark" and not (self.dspark_ce_alpha or self.dspark_distance_alpha
+                                          or self.dspark_confidence_alpha):
+            raise ConfigError("dspark_ce_alpha: dspark's three loss weights are all 0; nothing would train")
 
     @property
     def windows(self) -> Optional[tuple[str, ...]]:
@@ -248,6 +272,26 @@ class TrainConfig:
     step of ``epochs``. With ``epochs`` large enough it sizes a run to a time budget at a
     measured step rate (``benchmarks/bench_real.py --fit-minutes``)."""
     weight_decay: float = checked(0.0, at_least(0))
+    """AdamW's decoupled weight decay (with ``optimizer: muon``, of AdamW's share)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """``adamw``: AdamW on every parameter. ``muon``: ``torch.optim.Muon`` on the weight
+    matrices (every linear weight: attention, MLP, ``fc``, DFlash2's projections) and
+    AdamW on the rest (norms, conv kernels, embedding-like tables such as the selector's
+    codebooks), speculators 0.9.0's split (``train.optim``); one LR schedule scales both."""
+    muon_lr: Optional[float] = checked(None, optional(above(0)))
+    """Muon's peak lr; None = ``lr`` (speculators' resolution of an unset ``--muon-lr``;
+    its ``lr`` defaults to 1e-3). With ``muon_adjust_lr: match_rms_adamw`` an AdamW lr
+    carries over."""
+    muon_weight_decay: float = checked(0.1, at_least(0))
+    """Muon's decoupled weight decay (speculators' default 0.1)."""
+    muon_momentum: float = checked(0.95, lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
+    """Muon's (Nesterov) momentum (speculators' and torch's default 0.95)."""
+    muon_ns_steps: int = checked(5, in_range(1, 99))
+    """Newton-Schulz iterations per update (torch refuses 100 or more)."""
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """How Muon scales its lr per ``A x B`` matrix (torch's ``adjust_lr_fn``):
+    ``match_rms_adamw``, ``0.2 * sqrt(max(A, B))`` (Moonshot's; speculators' default), so
+    updates have AdamW's RMS; ``original``, ``sqrt(max(1, A / B))`` (Keller Jordan's)."""
     grad_clip: float = checked(1.0, above(0))
     grad_accum: int = checked(1, at_least(1))
     num_anchors: int = checked(512, at_least(1))
@@ -306,15 +350,17 @@ class TrainConfig:
     selector_weight: float = checked(1.0, at_least(0))
     """dflash2: weight of the selector's K-way cross-entropy beside the block loss; 0
     leaves the selector at its start (DFlash's argmax): a convolution-only DFlash2."""
-    selector_norm: Literal["dflash", "own"] = "dflash"
+    selector_norm: Literal["dflash", "own", "count"] = "dflash"
     """dflash2: the selector term's denominator. ``dflash``: the block loss's ``sum(w)``
     (SpecForge's), known before any forward. ``own``: its own ``sum(w)`` over slots whose
     gold token is a candidate (NeMo Automodel's); a batch trained in several micro-batches
-    then first runs a forward without autograd per micro-batch to count them."""
+    then first runs a forward without autograd per micro-batch to count them. ``count``:
+    the number of supervised slots, unweighted, plus 1e-5 (speculators 0.9.0's, with
+    ``selector_misses: insert`` and ``drafter.selector_init: normal``)."""
     selector_misses: Literal["skip", "insert"] = "skip"
     """dflash2: a slot whose gold token is not among the top-K carries no selector term
     (``skip``: NeMo's, and what serving can choose from), or the gold token replaces the
-    last candidate in training (``insert``: SpecForge's first version)."""
+    last candidate in training (``insert``: SpecForge's first version, and speculators')."""
     selector_grad: Literal["full", "stop"] = "full"
     """dflash2: ``full``: the selector term's gradient also reaches the backbone, through
     the unary logits and the drafter state (both peers' default); ``stop``: it trains
@@ -498,6 +544,8 @@ class Config:
             raise ConfigError(f"train.head_vocab: dflash2 needs full (its selector trains on the head's top-"
                               f"{self.drafter.selector_top_k} over every token, as serving picks them; "
                               f"got {self.train.head_vocab})")
+        if self.drafter.arch == "dspark":
+            self._check_dspark()
         tokens = self.train.drafter_block_tokens
         if tokens is not None and tokens < self.drafter.block_size:
             raise ConfigError(f"train.drafter_block_tokens: must be >= drafter.block_size={self.drafter.block_size} "
@@ -526,6 +574,19 @@ class Config:
                 if getattr(self.runtime, name) < per_step:
                     raise ConfigError(f"runtime.{name}: lockstep holds a whole step at once, so it needs "
                                       f">= grad_accum * drafters = {per_step} (got {getattr(self.runtime, name)})")
+
+    def _check_dspark(self) -> None:
+        """What a DSpark's objective (``models.dspark``) takes from the other sections."""
+        d, t = self.drafter, self.train
+        if (d.dspark_distance_alpha or d.dspark_confidence_alpha) and t.loss != "distill":
+            raise ConfigError(f"train.loss: dspark's distance and confidence terms learn the target's distribution, "
+                              f"which only distill puts into the features (got {t.loss}; or set "
+                              "drafter.dspark_distance_alpha and dspark_confidence_alpha to 0)")
+        if t.head_vocab != "full":
+            raise ConfigError(f"train.head_vocab: dspark needs full (its Markov head biases every token and its "
+                              f"distance runs over the whole vocabulary; got {t.head_vocab})")
+        if t.position_weight != "decay":
+            raise ConfigError(f"train.position_weight: dspark weighs its slots by decay (got {t.position_weight})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..models.dspark import markov_walk
+
 EXACT_ROWS = 4
 """Rows from which MKL's float32 matrix product on CPU rounds each row the same whatever
 the other rows: measured here (AVX-512, 1 and 2 threads), 1 to 3 rows take other kernels.
@@ -155,9 +157,19 @@ def extend_rows(target, tokens: torch.Tensor, starts: list[int], caches: list) -
     return out.logits, torch.cat([out.hidden_states[L + 1] for L in target.layer_ids], dim=-1)
 
 
+def verify_block(drafter) -> int:
+    """The tokens a verify step checks, the anchor and the drafts (the ``block_size`` of
+    ``speculative_generate``): a DFlash's block, a DSpark's block + 1 (its anchor slot
+    drafts too, so its ``block_size`` slots make ``block_size`` drafts; vLLM's default
+    ``num_speculative_tokens`` for DSpark is the drafter's ``block_size``)."""
+    return drafter.block_size + getattr(drafter, "label_shift", 0)
+
+
 class DrafterBlocks:
-    """The drafter's greedy blocks (a DFlash2's: its selector's walk) for several generations (``propose_rows`` of
-    ``speculative_generate_rows``; ``drafter_proposer`` is one generation).
+    """The drafter's greedy blocks (a DFlash2's: its selector's walk; a DSpark's: its Markov
+    walk, each slot's logits biased by the token drafted before it) for several
+    generations (``propose_rows`` of ``speculative_generate_rows``; ``drafter_proposer``
+    is one generation).
 
     For row r, ``ids[-1]`` is the anchor (verified, no target state yet) and ``feats`` the
     target features of every position before it, so the drafter sees exactly what
@@ -175,10 +187,14 @@ class DrafterBlocks:
     @torch.no_grad()
     def __call__(self, rows: list[int], ids: list[torch.Tensor], feats: list[torch.Tensor]) -> list[torch.Tensor]:
         hidden = [self._hidden(r, i, f).to(self.target.dtype) for r, i, f in zip(rows, ids, feats)]
-        if self.drafter.block_size - 1 < EXACT_ROWS:
+        drafts = verify_block(self.drafter) - 1
+        if drafts < EXACT_ROWS:
             logits = [self.target.lm_head(h) for h in hidden]
         else:
-            logits = list(self.target.lm_head(torch.cat(hidden)).split(self.drafter.block_size - 1))
+            logits = list(self.target.lm_head(torch.cat(hidden)).split(drafts))
+        markov = getattr(self.drafter, "markov_head", None)
+        if markov is not None:
+            return [markov_walk(markov, x[None], i[-1:])[0] for x, i in zip(logits, ids)]
         selector = self.drafter.candidate_selector
         if selector is None:
             return [x.argmax(-1) for x in logits]
@@ -201,7 +217,7 @@ class DrafterBlocks:
         block[0] = ids[-1]
         noise = self.target.embed_tokens(block)[None].to(d.fc.weight.dtype)
         positions = torch.arange(start, start + B, device=ids.device)[None]
-        return d.forward_cached(noise, self.kv[r], positions)[0, 1:]
+        return d.forward_cached(noise, self.kv[r], positions)[0, 1 - getattr(d, "label_shift", 0):]
 
 
 def drafter_proposer(drafter, target):

@@ -66,6 +66,7 @@ from ..models.drafter import DFlashDrafter, build_drafter
 from ..models.target import TargetModel, load_target
 from ..runtime.boot import Deferred, boot
 from ..runtime.files import cannot_write
+from .decode import verify_block
 from .intervals import pooled_difference_interval, pooled_interval
 from .tau import TargetTexts, completion_mask, drafter_correct, replayed_tau, text_features, text_metrics, text_walk
 
@@ -102,7 +103,8 @@ class HeldOut:
         self.real, self.real_feats = None, []
         if real_prompts:
             prompts = [ids[:first] for ids, first, _ in self.items[:real_prompts]]
-            self.real = TargetTexts.greedy(target, prompts, max_new_tokens, cfg.drafter.block_size, ())
+            verify = cfg.drafter.block_size + (cfg.drafter.arch == "dspark")   # decode.verify_block
+            self.real = TargetTexts.greedy(target, prompts, max_new_tokens, verify, ())
             self.real_feats = [text_features(target, x) for x in self.real.texts]
 
 
@@ -153,7 +155,7 @@ def evaluate_version(drafter, head: Head | TargetModel, heldout: HeldOut) -> dic
     if tt is not None:
         rows = [drafter_correct(drafter, head, x, completion_mask(len(x), len(p)), f)
                 for p, x, f in zip(tt.prompts, tt.texts, heldout.real_feats)]
-        r = replayed_tau(rows, tt, drafter.block_size)
+        r = replayed_tau(rows, tt, verify_block(drafter))
         out["real"] = {k: r[k] for k in ("tau", "tau_pooled", "per_position", "verify_steps")}
     return out
 

@@ -42,6 +42,7 @@ from .decode import (
     greedy_rows,
     replay,
     speculative_generate_rows,
+    verify_block,
 )
 from .intervals import mean_interval
 
@@ -139,7 +140,7 @@ def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
     """
     t = time.perf_counter()
     gens = speculative_generate_rows(DrafterBlocks(drafter, target, len(prompts)), target, prompts,
-                                     max_new_tokens, drafter.block_size, stop_ids)
+                                     max_new_tokens, verify_block(drafter), stop_ids)
     spec_s = time.perf_counter() - t
     if keep is not None:
         keep.extend(gens)
@@ -150,7 +151,7 @@ def real_tau(drafter, target, prompts: list[torch.Tensor], max_new_tokens: int,
             references = [greedy_cached(target, p, max_new_tokens, stop_ids)[0] for p in prompts]
         else:
             references = [g.ids for g in gens]
-    out = decode_stats(gens, [len(p) for p in prompts], max_new_tokens, drafter.block_size, references)
+    out = decode_stats(gens, [len(p) for p in prompts], max_new_tokens, verify_block(drafter), references)
     out["spec_s"] = round(spec_s, 2)
     out["mismatches"] = [divergence(target, g.ids, r, len(p)) | {"prompt": i}
                          for i, (g, r, p) in enumerate(zip(gens, references, prompts)) if not torch.equal(g.ids, r)]
@@ -316,7 +317,8 @@ def text_features(target, ids: torch.Tensor) -> torch.Tensor:
 def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
                     feats: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(correct, valid)`` ``[A, B-1]``: per anchor (``anchor_candidates(mask)``), whether
-    each draft slot (a DFlash2's: its selector's choice) equals the text, up to the first
+    each draft slot (a DFlash2's: its selector's choice; a DSpark's: ``[A, B]``, every slot
+    its Markov-biased argmax after the text's token before it) equals the text, up to the first
     slot that does not (every later one reads False: no metric counts past it, and
     skipping its vocabulary head, most of the cost, makes this several times cheaper for
     a drafter that accepts little). This is the
@@ -327,18 +329,23 @@ def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
     feats = text_features(target, ids_t) if feats is None else feats.to(target.device)
     hidden = block_hidden(drafter, target.embed_tokens, drafter.context(feats.to(drafter.fc.weight.dtype)),
                           ids_t, anchors).to(target.dtype)
-    labels, valid = block_labels(ids_t, torch.from_numpy(mask).to(target.device), anchors, drafter.block_size)
+    shift = getattr(drafter, "label_shift", 0)
+    labels, valid = block_labels(ids_t, torch.from_numpy(mask).to(target.device), anchors, drafter.block_size, shift)
     correct = torch.zeros_like(valid)
-    alive = valid[:, 1]                 # slot 0 is the anchor itself, never a draft
-    selector = drafter.candidate_selector
-    for k in range(1, drafter.block_size):
+    first = 1 - shift                   # a DFlash's slot 0 is the anchor itself, never a draft
+    alive = valid[:, first]
+    selector, markov = drafter.candidate_selector, getattr(drafter, "markov_head", None)
+    for k in range(first, drafter.block_size):
         rows = alive.nonzero()[:, 0]
         if not len(rows):
             break
         # Padded to EXACT_ROWS so that each row's logits are those of the whole-text head.
         padded = torch.cat([rows, rows[:1].expand(max(0, EXACT_ROWS - len(rows)))])
         logits = target.lm_head(hidden[padded, k])[:len(rows)]
-        if selector is None:
+        if markov is not None:
+            # Every earlier slot of a live row is right: the text's token before is the walk's.
+            picked = (logits.float() + markov.bias(markov.embed(ids_t[anchors[rows] + k]))).argmax(-1)
+        elif selector is None:
             picked = logits.argmax(-1)
         else:
             # Every earlier slot of a live row is right: its gold predecessor is the walk's.
@@ -348,7 +355,7 @@ def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
         correct[rows, k] = picked == labels[rows, k]
         if k + 1 < drafter.block_size:
             alive = correct[:, k] & valid[:, k + 1]
-    return correct[:, 1:].cpu().numpy(), valid[:, 1:].cpu().numpy()
+    return correct[:, first:].cpu().numpy(), valid[:, first:].cpu().numpy()
 
 
 def proposer_correct(propose, ids: torch.Tensor, prompt_len: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:

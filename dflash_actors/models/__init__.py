@@ -1,8 +1,10 @@
 """The models: the frozen target's wrapper (``target``), where its files are (``target_dir``:
 an HF directory, ``pkg:NAME``, GGUF converted once), its self-check (``self_check``), its
 tensor-parallel gang (``tensor_parallel``) and the weights its actors share
-(``shared_weights``), the demo's tiny target (``tiny``), the drafter (``drafter``) and
-DFlash2's convolution and selector (``dflash2``), the DFlash objective (``loss``) over the
+(``shared_weights``), the demo's tiny target (``tiny``), the drafter (``drafter``),
+DFlash2's convolution and selector (``dflash2``), DSpark's Markov and confidence heads
+(``dspark``), the marks a drafter's modules put on their parameters for the optimizer
+(``marks``: Muon's token tables), the DFlash objective (``loss``) over the
 block layout (``blocks``: anchors, visibility, the forward over blocks) and its vocabulary
 head's cross-entropy (``head_loss``), the target's slice a drafter needs
 (``head``), and the modeling file every exported DFlash drafter carries (``hf_dflash``).

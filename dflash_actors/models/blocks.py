@@ -257,24 +257,32 @@ def block_hidden(drafter, embed_tokens, ctx: torch.Tensor, tokens: torch.Tensor,
     return blocks_hidden(drafter, embed_tokens, ctx[None], lengths, anchors[None], tokens[anchors][None])[0]
 
 
-def teacher_rows(features: torch.Tensor, p: PaddedBlocks, rows, hidden_size: int) -> torch.Tensor:
+def teacher_rows(features: torch.Tensor, p: PaddedBlocks, rows, hidden_size: int, shift: int = 0) -> torch.Tensor:
     """The target's last-layer state ``[n, H]`` one position before each labelled block
     slot ``rows`` (indices into ``[R, N, B]``): what its logits for that slot's token come
-    from. ``features`` ``[T, (k+1)*H]`` end with that state (``TargetModel(teacher=True)``)."""
+    from. ``features`` ``[T, (k+1)*H]`` end with that state (``TargetModel(teacher=True)``).
+    ``shift``: the drafter's ``label_shift`` (slot k labels ``a + k + shift``)."""
     last = features[p.take, -hidden_size:]
     padded = last.new_zeros((len(p.seq), p.tokens.shape[1], hidden_size)).index_put((p.row, p.col), last)
     r, j, k = rows
-    return padded[r, p.anchors[r, j] + k - 1]           # slot k >= 1: at or after the anchor
+    return padded[r, p.anchors[r, j] + k - 1 + shift]   # a labelled slot's: at or after the anchor
 
 
 def block_labels(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_size: int, shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(labels, valid)`` ``[..., N, B]`` for tokens ``[..., L]`` and anchors ``[..., N]``:
     ``tok[a+k]``, valid where ``a+k < L`` and ``m[a+k] = 1``, slot 0 never. Right-padded
-    rows must carry ``loss_mask`` 0 in their padding."""
+    rows must carry ``loss_mask`` 0 in their padding.
+
+    ``shift`` 1 (a DSpark's): ``tok[a+k+1]`` from slot 0 on, valid while every slot
+    before is too (the first slot outside the sequence or the mask ends the block, as
+    DeepSpec supervises it)."""
     L = tokens.shape[-1]
-    pos = anchors[..., None] + torch.arange(block_size, device=tokens.device)
+    pos = anchors[..., None] + torch.arange(block_size, device=tokens.device) + shift
     flat = pos.clamp(max=L - 1).flatten(-2)
     valid = (pos < L) & loss_mask.gather(-1, flat).view(pos.shape).bool()
-    valid[..., 0] = False
+    if shift:
+        valid = valid.long().cumprod(dim=-1).bool()
+    else:
+        valid[..., 0] = False
     return tokens.gather(-1, flat).view(pos.shape), valid

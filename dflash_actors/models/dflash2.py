@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .marks import keep_off_muon
+
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 """``dflash_config`` keys that make a drafter a DFlash2 (every engine requires all four)."""
 
@@ -99,14 +101,34 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self._mark()
+
+    def _mark(self) -> None:
+        # Token tables, not maps: Muon leaves them to AdamW (speculators' rule).
+        keep_off_muon(self.predecessor_codebook, self.successor_codebook)
+
+    def _apply(self, fn, recurse=True):
+        # ``to_empty`` from the meta device (``drafter_shell``) makes new parameters.
+        out = super()._apply(fn, recurse)
+        self._mark()
+        return out
 
     @torch.no_grad()
-    def reset_parameters(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """Predecessors small normal, successors 0 (so every score is the unary logit):
-        the successor codebook takes gradient at once, the other two from then on."""
+    def reset_parameters(self, generator: torch.Generator | None = None, std: float = 0.02,
+                         successors: str = "zeros") -> None:
+        """Predecessors small normal; successors (``drafter.selector_init``) 0, so every
+        score is the unary logit and the successor codebook takes gradient at once, the
+        other two from then on (``zeros``), or small normal too, drawn after the
+        predecessors (``normal``: speculators', whose selector starts off the argmax)."""
         p = self.predecessor_codebook
         p.copy_(torch.randn(p.shape, generator=generator) * std)
-        self.successor_codebook.zero_()
+        if successors == "normal":
+            q = self.successor_codebook
+            q.copy_(torch.randn(q.shape, generator=generator) * std)
+        elif successors == "zeros":
+            self.successor_codebook.zero_()
+        else:
+            raise ValueError(f"drafter.selector_init: zeros or normal (got {successors!r})")
 
     def scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
                predecessors: torch.Tensor) -> torch.Tensor:
@@ -134,23 +156,40 @@ class CandidateSelector(nn.Module):
         return torch.stack(path, dim=1)
 
 
+COUNT_EPS = 1e-5
+"""``train.selector_norm: count``'s addend to the slot count (speculators' loss reduction
+adds it to every denominator: ``_LOSS_REDUCTION_EPS``)."""
+
+
 @dataclass(frozen=True)
 class SelectorObjective:
     """How the selector's K-way cross-entropy joins the block loss (``train.selector_*``).
 
     ``loss = sum(CE w) / sum(w) + weight * sum(nll w [gold in top-K]) / norm``: ``norm``
     is ``own``, the selector term's own ``sum(w [gold in top-K])`` (NeMo Automodel's),
-    or ``dflash``, the block loss's ``sum(w)`` (SpecForge's). ``misses``: a slot whose
-    gold token is not among the candidates carries no selector term (``skip``, what
-    serving can select from) or takes the gold in place of the last candidate
-    (``insert``). ``grad``: ``full`` lets the term's gradient reach the backbone through
-    the unary logits and the drafter state (as both peers do), ``stop`` trains only the
-    selector's own parameters with it."""
+    ``dflash``, the block loss's ``sum(w)`` (SpecForge's), or ``count``, the number of
+    supervised slots plus 1e-5 (speculators'). ``misses``: a slot whose gold token is not
+    among the candidates carries no selector term (``skip``, what serving can select
+    from) or takes the gold in place of the last candidate (``insert``, SpecForge's first
+    version and speculators'). ``grad``: ``full`` lets the term's gradient reach the
+    backbone through the unary logits and the drafter state (as every peer does),
+    ``stop`` trains only the selector's own parameters with it."""
 
     weight: float = 1.0
     norm: str = "dflash"
     misses: str = "skip"
     grad: str = "full"
+
+    def denominator(self, total_weight: torch.Tensor, hit_weight: torch.Tensor, slots) -> torch.Tensor:
+        """What the selector term's numerator is divided by, given the (whole batch's)
+        ``sum(w)``, ``sum(w)`` over the slots whose gold is a candidate, and the number
+        of supervised ``slots``. Under ``insert`` every slot carries the term, so
+        ``own`` is ``dflash`` there."""
+        if self.norm == "count":
+            return torch.as_tensor(slots, dtype=torch.float32, device=total_weight.device) + COUNT_EPS
+        if self.norm == "dflash" or self.misses == "insert":
+            return total_weight.clamp(min=1e-12)
+        return hit_weight.clamp(min=1e-12)
 
     @classmethod
     def from_config(cls, cfg) -> "SelectorObjective | None":

@@ -26,6 +26,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .dflash2 import DFLASH2_KEYS, BlockConv, CandidateSelector
+from .dspark import DSPARK_ARCH, DSPARK_KEYS, build_heads, dspark_fields, is_dspark
 from .target import ensure_target, load_target
 from .target_dir import has_tokenizer, is_hf_dir
 
@@ -40,9 +41,11 @@ SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "interme
 
 def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: list[int],
                    mask_token_id: int, mask_token_reason: str, vocab_size: int,
-                   dflash2: dict | None = None, shape: dict | None = None) -> Qwen3Config:
+                   dflash2: dict | None = None, shape: dict | None = None,
+                   dspark: dict | None = None) -> Qwen3Config:
     """A Qwen3 config sized like the target (hidden, heads, MLP, RoPE), with DFlash fields;
-    a DFlash2's with ``dflash2`` (its four ``DFLASH2_KEYS``, ``dflash2_fields``). ``shape``
+    a DFlash2's with ``dflash2`` (its four ``DFLASH2_KEYS``, ``dflash2_fields``), a DSpark's
+    with ``dspark`` (``DSPARK_KEYS``, ``dspark_fields``). ``shape``
     (``shape_fields``) overrides the sizes of ``SHAPE_KEYS`` and gives ``layer_types`` and
     ``sliding_window``."""
     t, shape = target_config, dict(shape or {})
@@ -79,6 +82,15 @@ def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: l
         cfg.architectures = ["DFlash2DraftModel"]
         del cfg.auto_map
         cfg.dflash_config.update({k: int(dflash2[k]) for k in DFLASH2_KEYS})
+    if dspark is not None:
+        # DeepSpec's flat layout, which vLLM's Qwen3DSparkModel reads: the heads' keys and
+        # the mask and taps at the top level (``dflash_config`` stays, for vLLM's DFlash
+        # backbone and this project's reader). No auto_map: the engines bring the code.
+        cfg.architectures = [DSPARK_ARCH]
+        del cfg.auto_map
+        for k in DSPARK_KEYS:
+            setattr(cfg, k, dspark[k])
+        cfg.mask_token_id, cfg.target_layer_ids = mask_token_id, list(layer_ids)
     return cfg
 
 
@@ -138,6 +150,15 @@ def dflash2_fields(drafter_cfg) -> dict | None:
     if drafter_cfg.arch != "dflash2":
         return None
     return {k: getattr(drafter_cfg, k) for k in DFLASH2_KEYS}
+
+
+def arch_of(config) -> tuple[str, dict | None]:
+    """``(drafter.arch, the sizes that arch adds)`` of a drafter config."""
+    if is_dflash2(config):
+        return "dflash2", {k: int(config.dflash_config[k]) for k in DFLASH2_KEYS}
+    if is_dspark(config):
+        return "dspark", {k: getattr(config, k, None) for k in DSPARK_KEYS}
+    return "dflash", None
 
 
 def is_dflash2(config) -> bool:
@@ -260,8 +281,21 @@ class DFlashDrafter(nn.Module):
         if is_dflash2(config):
             self.candidate_selector = CandidateSelector(config.vocab_size, h, int(dc["selector_rank"]),
                                                         int(dc["selector_top_k"]))
+        # A DSpark's heads (``models.dspark``): registered last, so that the backbone's
+        # initial draw is a DFlash's of the same seed.
+        self.markov_head = self.confidence_head = None
+        if is_dspark(config):
+            self.markov_head, self.confidence_head = build_heads(config)
+        # Slot k's label is tok[a + k + label_shift]: 0 for DFlash (slot 0 proposes
+        # nothing), 1 for DSpark (every slot proposes).
+        self.label_shift = 1 if self.markov_head is not None else 0
 
-    def init_weights(self, seed: int) -> "DFlashDrafter":
+    @property
+    def proposals(self) -> int:
+        """Tokens a block drafts: ``block_size - 1``, a DSpark's ``block_size``."""
+        return self.block_size - 1 + self.label_shift
+
+    def init_weights(self, seed: int, selector_init: str = "zeros") -> "DFlashDrafter":
         """Normal(0, initializer_range) linears and unit norms, from ``seed`` alone. A
         DFlash2's convolutions and selector keep their own start (the identity, and
         DFlash's argmax), drawn after the rest: a DFlash2 starts computing what the
@@ -279,10 +313,13 @@ class DFlashDrafter(nn.Module):
                 if conv is not None:
                     conv.reset_parameters()
         if self.candidate_selector is not None:
-            self.candidate_selector.reset_parameters(g)
+            self.candidate_selector.reset_parameters(g, successors=selector_init)
             with torch.no_grad():
                 w = self.candidate_selector.hidden_projection.weight
                 w.copy_(torch.randn(w.shape, generator=g) * std)
+        if self.confidence_head is not None:
+            with torch.no_grad():
+                self.confidence_head.proj.bias.zero_()     # as HF's init of a Linear's bias
         return self
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -343,11 +380,12 @@ class DFlashDrafter(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         d = self.config.to_dict()
-        d["architectures"] = ["DFlash2DraftModel" if is_dflash2(self.config) else "DFlashDraftModel"]
+        d["architectures"] = [{"dflash2": "DFlash2DraftModel", "dspark": DSPARK_ARCH}.get(arch_of(self.config)[0],
+                                                                                        "DFlashDraftModel")]
         (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS), metadata={"format": "pt"})
-        if not is_dflash2(self.config):
+        if arch_of(self.config)[0] == "dflash":
             shutil.copyfile(HF_MODELING, path / "dflash.py")
         return path
 
@@ -379,6 +417,9 @@ def read_config(path: str | Path) -> Qwen3Config:
         d = json.loads(conf.read_text())
     except (OSError, ValueError) as e:      # ValueError: JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{conf}: not readable as JSON ({e})") from None
+    if isinstance(d, dict) and "dflash_config" not in d and DSPARK_ARCH in (d.get("architectures") or ()):
+        # DeepSpec's own DSpark configs are flat: the mask and the taps at the top level.
+        d["dflash_config"] = {k: d.get(k) for k in ("mask_token_id", "target_layer_ids", "block_size")}
     if isinstance(d, dict) and "block_size" not in d and "block_size" in (d.get("dflash_config") or {}):
         d["block_size"] = d["dflash_config"]["block_size"]     # DFlash2's published configs keep it only there
     if not isinstance(d, dict) or not {"block_size", "dflash_config"} <= set(d):
@@ -589,10 +630,10 @@ def start_config(cfg, target) -> Qwen3Config:
         mask_id, reason = _default_mask_token(cfg, target)
     if not 0 <= mask_id < target.vocab_size:
         raise ValueError(f"drafter.mask_token_id: {mask_id} is outside the target's vocab of {target.vocab_size}")
-    arch, shape = dflash2_fields(cfg.drafter), shape_fields(cfg.drafter)
+    arch, shape, dspark = dflash2_fields(cfg.drafter), shape_fields(cfg.drafter), dspark_fields(cfg.drafter)
     if cfg.drafter.init_from is None:
         config = drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
-                                mask_id, reason, target.vocab_size, arch, shape)
+                                mask_id, reason, target.vocab_size, arch, shape, dspark)
         _check_target_init(cfg.drafter, config, target.config)
         return config
     if not Path(cfg.drafter.init_from).exists():
@@ -607,11 +648,12 @@ def start_config(cfg, target) -> Qwen3Config:
     if have != want:
         raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} has (layer ids, block, mask id, hidden) "
                          f"{have}, this run needs {want} (mask id: {reason})")
-    have_arch = {k: int(dc[k]) for k in DFLASH2_KEYS} if is_dflash2(config) else None
-    if have_arch != arch:
-        name = lambda a: "dflash" if a is None else f"dflash2 {a}"   # noqa: E731
+    have_arch = arch_of(config)
+    want_arch = (cfg.drafter.arch, arch if arch is not None else dspark)
+    if have_arch != want_arch:
+        name = lambda a: a[0] if a[1] is None else f"{a[0]} {a[1]}"   # noqa: E731
         raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} is a {name(have_arch)} drafter, this run "
-                         f"trains {name(arch)} (drafter.arch and its sizes)")
+                         f"trains {name(want_arch)} (drafter.arch and its sizes)")
     _check_stated_shape(cfg.drafter, config)
     return config
 
@@ -655,7 +697,7 @@ def build_drafter(cfg, target) -> DFlashDrafter:
             return DFlashDrafter.from_pretrained(cfg.drafter.init_from, target.device)
         except ValueError as e:
             raise ValueError(f"drafter.init_from: {e}") from None
-    d = DFlashDrafter(config).init_weights(cfg.train.seed)
+    d = DFlashDrafter(config).init_weights(cfg.train.seed, cfg.drafter.selector_init)
     if cfg.drafter.init == "target":
         init_from_target(d, target_reader(cfg, target), int(target.config.num_hidden_layers), cfg.drafter.init_parts,
                          getattr(target.config, "model_type", ""))

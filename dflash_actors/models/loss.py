@@ -41,22 +41,28 @@ import torch
 
 from .blocks import PaddedBlocks, autocast_for, batch_anchors, block_labels, pad_blocks, padded_hidden, teacher_rows
 from .dflash2 import SelectorObjective, selector_rows
+from .dspark import DEFAULT_GAMMA, DSparkObjective, dspark_rows
 from .head_loss import VocabRows, as_rows, head_candidates, restricted_ce, training_vocab
 
 
 def decay_gamma(cfg) -> float:
-    """Configured gamma, else 7/5/4 for block 16/10/8 (published), else B/2 - 1."""
+    """Configured gamma, else 7/5/4 for block 16/10/8 (published), else B/2 - 1; a
+    DSpark's 4 (DeepSpec's, every block)."""
     if cfg.train.gamma is not None:
         return float(cfg.train.gamma)
+    if cfg.drafter.arch == "dspark":
+        return DEFAULT_GAMMA
     b = cfg.drafter.block_size
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(b, max(1.0, b / 2 - 1))
 
 
-def slot_decay(block_size: int, gamma: float) -> torch.Tensor:
-    """``[B]`` float32: 0 for the anchor slot, ``exp(-(k-1)/gamma)`` for slot k >= 1."""
+def slot_decay(block_size: int, gamma: float, shift: int = 0) -> torch.Tensor:
+    """``[B]`` float32: 0 for the anchor slot, ``exp(-(k-1)/gamma)`` for slot k >= 1; with
+    ``shift`` 1 (a DSpark's, whose anchor slot proposes) ``exp(-k/gamma)`` from slot 0."""
     k = torch.arange(block_size, dtype=torch.float64)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
+    w = torch.exp(-(k - 1 + shift) / gamma)
+    if not shift:
+        w[0] = 0.0
     return w.float()
 
 
@@ -95,7 +101,8 @@ class BlockStats:
                           self.selector or o.selector, self.base_accepted + o.base_accepted, self.hits + o.hits)
 
     def metrics(self) -> dict:
-        acc = (self.slot_correct[1:].double() / self.slot_total[1:].clamp(min=1)).tolist()
+        f = 0 if int(self.slot_total[0]) else 1     # a DSpark's anchor slot proposes too
+        acc = (self.slot_correct[f:].double() / self.slot_total[f:].clamp(min=1)).tolist()
         out = {"loss": self.weighted_ce / max(self.weight, 1e-12),
                "tau": 1.0 + self.accepted / max(self.blocks, 1),
                "slot_acc": [round(a, 4) for a in acc], "blocks": self.blocks}
@@ -143,6 +150,8 @@ class Objective:
     """``head_vocab: sampled``: rows drawn per batch from outside ``vocab``."""
     selector: SelectorObjective | None = None
     """A DFlash2's selector term (None: a DFlash)."""
+    dspark: DSparkObjective | None = None
+    """A DSpark's three terms (``models.dspark``)."""
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
@@ -150,7 +159,7 @@ class Objective:
         return cls(t.num_anchors, decay_gamma(cfg), t.seed, t.compute_dtype,
                    "checkpointed" if t.head_loss == "checkpointed" else "fused", t.position_weight, t.dpace_alpha,
                    t.loss, training_vocab(cfg), t.head_negatives if t.head_vocab == "sampled" else 0,
-                   SelectorObjective.from_config(cfg))
+                   SelectorObjective.from_config(cfg), DSparkObjective.from_config(cfg))
 
 
 @dataclass
@@ -163,24 +172,28 @@ class Blocks:
     labels: torch.Tensor      # [R, N, B]
     valid: torch.Tensor       # [R, N, B] bool: a real block's slot k >= 1 inside its row with m = 1
     rows: tuple               # valid.nonzero(as_tuple=True)
+    shift: int = 0            # the drafter's label_shift: slot k labels tok[a + k + shift]
 
     def predecessors(self) -> torch.Tensor:
-        """The gold token before each supervised position (slot 1's is the anchor's), in ``rows`` order."""
+        """The gold token before each supervised position (the first slot's is the anchor), in ``rows`` order."""
         r, j, k = self.rows
+        if self.shift:
+            return self.p.tokens[r, self.p.anchors[r, j] + k]
         return self.labels[r, j, k - 1]
 
     def decay_weights(self, gamma: float) -> torch.Tensor:
-        """``exp(-(k-1)/gamma)`` of each supervised position, in ``rows`` order."""
+        """``slot_decay`` of each supervised position, in ``rows`` order."""
         B = self.valid.shape[-1]
-        return slot_decay(B, gamma).to(self.valid.device).expand(self.valid.shape)[self.rows]
+        return slot_decay(B, gamma, self.shift).to(self.valid.device).expand(self.valid.shape)[self.rows]
 
 
-def lay_out(batch, anchors: list[np.ndarray], block_size: int, device) -> Blocks:
-    """``Blocks`` of ``batch`` for ``anchors`` per row (at least one somewhere)."""
+def lay_out(batch, anchors: list[np.ndarray], block_size: int, device, shift: int = 0) -> Blocks:
+    """``Blocks`` of ``batch`` for ``anchors`` per row (at least one somewhere); ``shift``:
+    the drafter's ``label_shift``."""
     p = pad_blocks(batch, anchors, device)
-    labels, valid = block_labels(p.tokens, p.loss_mask, p.anchors, block_size)
+    labels, valid = block_labels(p.tokens, p.loss_mask, p.anchors, block_size, shift)
     valid &= p.real[..., None]
-    return Blocks(p, labels, valid, valid.nonzero(as_tuple=True))
+    return Blocks(p, labels, valid, valid.nonzero(as_tuple=True), shift)
 
 
 def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: float, *,
@@ -188,7 +201,8 @@ def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: fl
                 dpace_alpha: float = 0.5, loss: str = "ce", vocab: VocabRows | None = None,
                 weights: torch.Tensor | None = None, total_weight: torch.Tensor | None = None,
                 checkpoint_layers: bool = False, selector: SelectorObjective | None = None,
-                selector_total: torch.Tensor | None = None) -> tuple[torch.Tensor, "Tally"]:
+                selector_total: torch.Tensor | None = None,
+                dspark: DSparkObjective | None = None) -> tuple[torch.Tensor, "Tally"]:
     """``(sum(CE*w) / total_weight [+ the selector term], tally)`` over ``blocks``
     (``dflash_loss`` says what each option does); ``total_weight`` defaults to these
     blocks' own ``sum(w)``, and a micro-batch passes the whole batch's instead, so that
@@ -198,11 +212,18 @@ def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: fl
 
     A DFlash2 drafter (one with a ``candidate_selector``) is scored on what its selector
     proposes; with ``selector`` its K-way cross-entropy joins the loss
-    (``models.dflash2.SelectorObjective``)."""
+    (``models.dflash2.SelectorObjective``). A DSpark drafter (one with a ``markov_head``)
+    takes ``dspark``'s three terms over the same denominator (``models.dspark``).
+    """
+    if blocks.shift != getattr(drafter, "label_shift", 0):
+        raise ValueError(f"blocks_loss: blocks laid out with label shift {blocks.shift} for a drafter whose "
+                         f"is {drafter.label_shift} (lay_out(..., shift=drafter.label_shift))")
     with autocast_for(features.device, compute_dtype):
         hidden = padded_hidden(drafter, head.embed_tokens, features, blocks.p, checkpoint_layers)
     p, valid, rows = blocks.p, blocks.valid, blocks.rows
     lab = blocks.labels[rows]
+    if getattr(drafter, "markov_head", None) is not None:
+        return _dspark_loss(drafter, head, features, blocks, hidden, gamma, loss, weights, total_weight, dspark)
     teacher = teacher_rows(features, p, rows, hidden.shape[-1]) if loss == "distill" else None
     W = head.lm_head.weight
     chooser = drafter.candidate_selector
@@ -231,14 +252,28 @@ def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: fl
     tally.base_correct[rows] = pred == lab
     tally.hits, tally.hit_weight = picked.hit, (w * picked.hit).sum().detach()
     if selector is not None and selector.weight > 0 and torch.is_grad_enabled():
-        if selector.norm == "dflash" or selector.misses == "insert":     # insert: every slot carries the term
-            norm = wsum if total_weight is None else total_weight
-        else:
-            norm = tally.hit_weight if selector_total is None else selector_total
-        value = value + selector.weight * picked.numerator / norm.clamp(min=1e-12)
+        # selector_total: the whole batch's hit weight (own) or slot count (count), from drafter_step.
+        norm = selector.denominator(wsum if total_weight is None else total_weight,
+                                    tally.hit_weight if selector_total is None else selector_total,
+                                    len(lab) if selector_total is None else selector_total)
+        value = value + selector.weight * picked.numerator / norm
     elif torch.is_grad_enabled():
         # An untrained selector still gets a (zero) gradient: every process reduces every parameter's.
         value = value + sum(q.sum() for q in chooser.parameters()) * 0.0
+    return value, tally
+
+
+def _dspark_loss(drafter, head, features, blocks: Blocks, hidden, gamma, loss, weights, total_weight,
+                 objective: DSparkObjective | None) -> tuple[torch.Tensor, "Tally"]:
+    rows = blocks.rows
+    teacher = teacher_rows(features, blocks.p, rows, hidden.shape[-1], blocks.shift) if loss == "distill" else None
+    w = blocks.decay_weights(gamma) if weights is None else weights
+    out = dspark_rows(drafter, hidden[rows], head.lm_head.weight, blocks.labels[rows], blocks.predecessors(),
+                      teacher, w, objective)
+    wsum = w.sum()
+    value = out.numerator / (wsum if total_weight is None else total_weight)
+    tally = Tally(torch.zeros_like(blocks.valid), (out.ce.detach() * w).sum(), wsum, out.ce.detach())
+    tally.correct[rows] = out.pred == blocks.labels[rows]
     return value, tally
 
 
@@ -255,15 +290,15 @@ class Tally:
     hit_weight: torch.Tensor | None = None     # sum(w) over those slots (``selector.norm: own``)
 
 
-def _leading(correct: torch.Tensor) -> int:
-    return int(correct[..., 1:].long().cumprod(dim=-1).sum())
+def _leading(correct: torch.Tensor, first: int = 1) -> int:
+    return int(correct[..., first:].long().cumprod(dim=-1).sum())
 
 
 def block_stats(blocks: Blocks, tally: Tally) -> "BlockStats":
     """The ``BlockStats`` of ``blocks_loss``'s tally."""
     t = tally
     stats = BlockStats(
-        blocks=int(blocks.p.real.sum()), accepted=_leading(t.correct),
+        blocks=int(blocks.p.real.sum()), accepted=_leading(t.correct, blocks.shift ^ 1),
         slot_correct=t.correct.long().sum((0, 1)).cpu(), slot_total=blocks.valid.long().sum((0, 1)).cpu(),
         weighted_ce=float(t.wce), weight=float(t.wsum))
     if t.hits is not None:
@@ -284,7 +319,8 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
                 gamma: float, *, compute_dtype: str = "auto", head_loss: str = "fused",
                 position_weight: str = "decay", dpace_alpha: float = 0.5, loss: str = "ce",
                 vocab: torch.Tensor | VocabRows | None = None,
-                selector: SelectorObjective | None = None) -> tuple[torch.Tensor, BlockStats]:
+                selector: SelectorObjective | None = None,
+                dspark: DSparkObjective | None = None) -> tuple[torch.Tensor, BlockStats]:
     """``(loss, stats)`` for a packed batch given its anchors per row, in one forward.
 
     ``head`` provides the frozen target ``embed_tokens`` and ``lm_head``; ``features``
@@ -300,10 +336,10 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     """
     if not any(len(a) for a in anchors):
         return no_blocks(drafter)
-    blocks = lay_out(batch, anchors, drafter.block_size, features.device)
+    blocks = lay_out(batch, anchors, drafter.block_size, features.device, getattr(drafter, "label_shift", 0))
     value, tally = blocks_loss(drafter, head, features, blocks, gamma, compute_dtype=compute_dtype,
                                head_loss=head_loss, position_weight=position_weight, dpace_alpha=dpace_alpha,
-                               loss=loss, vocab=as_rows(vocab, head), selector=selector)
+                               loss=loss, vocab=as_rows(vocab, head), selector=selector, dspark=dspark)
     return value, block_stats(blocks, tally)
 
 
@@ -328,4 +364,4 @@ def batch_loss(drafter, head, features: torch.Tensor, batch, objective: Objectiv
     return dflash_loss(drafter, head, features, batch, batch_anchors(batch, o.num_anchors, o.seed, epoch, batch_id),
                        o.gamma, compute_dtype=o.compute_dtype, head_loss=o.head_loss,
                        position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss,
-                       vocab=batch_vocab(o, head, epoch, batch_id), selector=o.selector)
+                       vocab=batch_vocab(o, head, epoch, batch_id), selector=o.selector, dspark=o.dspark)

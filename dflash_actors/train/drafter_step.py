@@ -91,13 +91,13 @@ def drafter_step(drafter, head, features: torch.Tensor, batch, objective: Object
         return stats
     lengths = [e - s for s, e in batch.sequences()]
     device = features.device
-    groups = [lay_out(batch, g, drafter.block_size, device)
+    groups = [lay_out(batch, g, drafter.block_size, device, getattr(drafter, "label_shift", 0))
               for g in split_anchors(lengths, anchors, drafter.block_size, block_tokens)
               if any(len(a) for a in g)]
     vocab = as_rows(batch_vocab(o, head, epoch, batch_id), head)
     options = dict(compute_dtype=o.compute_dtype, head_loss=o.head_loss, position_weight=o.position_weight,
                    dpace_alpha=o.dpace_alpha, loss=o.loss, vocab=vocab, checkpoint_layers=checkpoint_layers,
-                   selector=o.selector)
+                   selector=o.selector, dspark=o.dspark)
     if len(groups) == 1:
         value, tally = blocks_loss(drafter, head, features, groups[0], o.gamma, **options)
         value.backward()
@@ -118,6 +118,8 @@ def drafter_step(drafter, head, features: torch.Tensor, batch, objective: Object
             selector_total = sum(hit_weights)
     else:
         weights = [g.decay_weights(o.gamma) for g in groups]
+    if sel is not None and sel.weight > 0 and sel.norm == "count":
+        selector_total = sum(len(g.rows[0]) for g in groups)     # the batch's supervised slots
     total = sum(w.sum() for w in weights)
     stats = None
     for g, w in zip(groups, weights):

@@ -18,6 +18,18 @@ stay as they are, while the LR schedule and AdamW's step counter still advance. 
 step keeps its place in the schedule, so version v is still "after v steps" and
 ``restore`` rebuilds the same state after a restart; the skip only drops that step's
 update, which a NaN would otherwise spread into every weight.
+
+``train.optimizer: muon`` replaces AdamW on the drafter's weight matrices with
+``torch.optim.Muon`` and keeps AdamW for the rest, as speculators 0.9.0 does
+(``speculators/train/optimizers.py``): a parameter takes Muon iff it is 2-D, both sides
+above 1, and not embedding-like (speculators excludes by name ``embed_tokens``,
+``lm_head``, ``codebook``, ``markov_w1/w2``; here the modules that own such tables mark
+them, ``keep_off_muon``, since the step sees tensors, not names). On our drafters that
+puts every linear weight on Muon (attention, MLP, ``fc``, the DFlash2 kernel and hidden
+projections) and the norms, the 3-D conv kernels and the selector's codebooks on AdamW.
+Both run as one ``MuonAdamW`` whose two param groups (AdamW's first) the one LR schedule
+scales alike, and whose state the optimizer actor publishes as it publishes AdamW's
+(``MuonAdamW`` says how a momentum buffer fits the two moment buffers).
 """
 
 from __future__ import annotations
@@ -27,10 +39,95 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..models.marks import OFF_MUON
 
-def build_optimizer(params, train) -> torch.optim.AdamW:
-    """AdamW over ``params`` with ``train.lr`` and ``train.weight_decay``."""
+
+def takes_muon(p: torch.Tensor) -> bool:
+    """Muon's share (speculators' rule): a matrix with both sides above 1, unmarked.
+    ``[1, N]`` and ``[N, 1]`` weights are vectors, which Muon cannot orthogonalise."""
+    return p.ndim == 2 and min(p.shape) > 1 and not getattr(p, OFF_MUON, False)
+
+
+def build_optimizer(params, train) -> torch.optim.Optimizer:
+    """AdamW over ``params`` with ``train.lr`` and ``train.weight_decay``; with
+    ``train.optimizer: muon`` a ``MuonAdamW`` (a config without the key: AdamW)."""
+    if getattr(train, "optimizer", "adamw") == "muon":
+        return MuonAdamW(params, train)
     return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` over ``takes_muon`` parameters and ``torch.optim.AdamW`` over
+    the rest, stepped as one optimizer: its ``param_groups`` are the two optimizers' own
+    group dicts (AdamW's first, so ``param_groups[0]["lr"]`` is still the logged lr) and
+    its ``state`` is the one dict both write, so ``LambdaLR``, ``state_dict`` and the
+    callers' ``opt.state[p]`` see both. Muon takes ``train.muon_lr`` (None: ``train.lr``,
+    speculators' resolution), ``muon_weight_decay``, ``muon_momentum``, ``muon_ns_steps``
+    and ``muon_adjust_lr`` (torch's ``adjust_lr_fn``; speculators' default
+    ``match_rms_adamw`` scales the lr by ``0.2 * sqrt(max(A, B))`` so that an AdamW lr
+    carries over); Nesterov momentum and the Newton-Schulz coefficients are torch's.
+
+    A Muon parameter's state is its ``momentum_buffer``. The optimizer actor publishes
+    every parameter's ``exp_avg`` and ``exp_avg_sq`` into the shared moment buffers,
+    so after each step a Muon state also holds ``exp_avg``, the momentum buffer itself
+    (no copy), and ``exp_avg_sq``, a zero that takes no memory (a broadcast scalar);
+    ``restore`` rebuilds the buffer from ``exp_avg``. The checkpoint and the shared
+    layout stay AdamW's, the momentum exact in fp32, so a resume is bit-identical."""
+
+    def __init__(self, params, train):
+        params = list(params)
+        muon = [p for p in params if takes_muon(p)]
+        rest = [p for p in params if not takes_muon(p)]
+        self.inner: list[torch.optim.Optimizer] = []
+        if rest:
+            self.inner.append(torch.optim.AdamW(rest, lr=train.lr, weight_decay=train.weight_decay))
+        if muon:
+            self.inner.append(torch.optim.Muon(
+                muon, lr=train.lr if train.muon_lr is None else train.muon_lr, weight_decay=train.muon_weight_decay,
+                momentum=train.muon_momentum, ns_steps=train.muon_ns_steps, adjust_lr_fn=train.muon_adjust_lr))
+        self.muon_params, self.muon_ids = muon, frozenset(id(p) for p in muon)
+        super().__init__([g for o in self.inner for g in o.param_groups], {})
+        self._share()
+
+    def _share(self) -> None:
+        """Point the inner optimizers at this one's groups and state (again after
+        ``load_state_dict``, which replaces both)."""
+        i = 0
+        for o in self.inner:
+            o.param_groups = self.param_groups[i:i + len(o.param_groups)]
+            i += len(o.param_groups)
+            o.state = self.state
+        for p in self.muon_params:
+            st = self.state.get(p)
+            if st and "momentum_buffer" in st:     # a loaded buffer is a new tensor: alias it again
+                st.update(muon_state(st["momentum_buffer"]))
+
+    def is_muon(self, p: torch.Tensor) -> bool:
+        return id(p) in self.muon_ids
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MuonAdamW.step takes no closure")
+        for o in self.inner:
+            o.step()
+        for p in self.muon_params:
+            st = self.state.get(p)
+            if st and "exp_avg" not in st:     # Muon made the buffer in this step
+                st.update(muon_state(st["momentum_buffer"]))
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._share()
+
+
+def muon_state(buf: torch.Tensor) -> dict:
+    """A Muon parameter's state from its momentum buffer ``buf`` (``MuonAdamW``)."""
+    return {"momentum_buffer": buf, "exp_avg": buf, "exp_avg_sq": buf.new_zeros(()).expand(buf.shape)}
+
+
+def _is_muon(opt, p: torch.Tensor) -> bool:
+    return isinstance(opt, MuonAdamW) and opt.is_muon(p)
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float, kind: str = "cosine",
@@ -80,11 +177,16 @@ def reduce_and_step(params: list[torch.Tensor], shard_grads: Iterable[Sequence[t
 
 def skip_step(opt, sched, params: list[torch.Tensor]) -> None:
     """Advance the schedule and AdamW's step counter without an update, exactly as
-    ``restore`` would rebuild them (moments created as zeros if no step came yet)."""
+    ``restore`` would rebuild them (moments created as zeros if no step came yet; a
+    Muon buffer likewise, and Muon counts no steps)."""
     step = float(sched.last_epoch + 1)
     for p in params:
         p.grad = None
         st = opt.state[p]
+        if _is_muon(opt, p):
+            if not st:
+                st.update(muon_state(torch.zeros_like(p)))
+            continue
         if not st:
             st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         st["step"] = torch.tensor(step)
@@ -94,10 +196,14 @@ def skip_step(opt, sched, params: list[torch.Tensor]) -> None:
 
 def restore(opt, sched, params: list[torch.Tensor], version: int, exp_avg, exp_avg_sq) -> None:
     """Put AdamW and the LR schedule where ``version`` steps leave them, given the
-    moments after those steps (``params`` already hold the weights of ``version``)."""
+    moments after those steps (``params`` already hold the weights of ``version``). A
+    Muon parameter's momentum buffer is its ``exp_avg`` (``MuonAdamW``)."""
     if version == 0:
         return
     for p, m, v in zip(params, exp_avg, exp_avg_sq):
+        if _is_muon(opt, p):
+            opt.state[p] = muon_state(m.to(p.device, copy=True))
+            continue
         opt.state[p] = {"step": torch.tensor(float(version)), "exp_avg": m.to(p.device, copy=True),
                         "exp_avg_sq": v.to(p.device, copy=True)}
     # Setting the position is exactly an unbroken run's (calling sched.step() here

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..models.drafter import SHAPE_KEYS, dflash2_fields, shape_fields
+from ..models.dspark import dspark_fields
 from ..models.target import resolve_dtype
 from . import memtrace
 
@@ -90,6 +91,8 @@ class RunTraces:
         self.cache = cache or TraceCache(target_config, Path(cfg.data.cache_dir) / "memtrace")
         fields = dflash2_fields(cfg.drafter)
         self.arch = {} if fields is None else {"dflash2": fields}     # a DFlash's keys as before
+        if cfg.drafter.arch == "dspark":
+            self.arch["dspark"] = dspark_fields(cfg.drafter)
         # The drafter's own attention and MLP sizes; a window keeps what full attention keeps.
         shape = {k: v for k, v in shape_fields(cfg.drafter).items() if k in SHAPE_KEYS}
         if shape:

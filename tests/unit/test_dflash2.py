@@ -132,7 +132,8 @@ def test_stop_gradient_keeps_the_selector_term_out_of_the_backbone(setup):
 
 @pytest.mark.parametrize("extra, budget", [({}, 24), ({"selector_norm": "own"}, 24),
                                            ({"selector_norm": "own", "position_weight": "dpace"}, 200),
-                                           ({"selector_misses": "insert"}, 24)])
+                                           ({"selector_misses": "insert"}, 24),
+                                           ({"selector_norm": "count", "selector_misses": "insert"}, 24)])
 def test_micro_batches_add_up_to_the_whole_batch_with_the_selector(setup, extra, budget):
     cfg, target, batch, feats = setup
     c = arch(cfg, **extra)
@@ -301,3 +302,21 @@ def test_dflash2_step_and_walk_on_cuda_match_cpu(setup):
     anchors = torch.randint(0, 256, (16,), generator=g)
     want = d.candidate_selector.walk(hidden, logits, anchors)
     assert torch.equal(dc.candidate_selector.walk(hidden.cuda(), logits.cuda(), anchors.cuda()).cpu(), want)
+
+
+def test_speculators_start_and_denominator_reach_training(setup):
+    """``drafter.selector_init: normal`` draws the successor codebook N(0, 0.02) in
+    ``build_drafter``, and ``selector_norm: count`` divides the selector term by the number
+    of supervised slots in ``blocks_loss`` (speculators' way; ``own`` divides by the
+    weight of the slots whose gold is a candidate)."""
+    cfg, target, batch, feats = setup
+    zeros = build_drafter(arch(cfg), target).candidate_selector.successor_codebook
+    normal = build_drafter(arch(cfg).updated({"drafter.selector_init": "normal"}), target)
+    drawn = normal.candidate_selector.successor_codebook
+    assert not zeros.any() and float(drawn.std()) == pytest.approx(0.02, rel=0.1)
+    d = trained_like(normal)
+    losses = {}
+    for norm in ("own", "count"):
+        o = Objective.from_config(arch(cfg, selector_norm=norm))
+        losses[norm], stats = batch_loss(d, target, feats, batch, o, epoch=0, batch_id=3)
+    assert float(losses["own"]) != pytest.approx(float(losses["count"]), rel=1e-3)

@@ -27,8 +27,9 @@ def config(tmp_path, **monitor):
 
 
 def stats(correct: int) -> BlockStats:
-    # 4 blocks of 4 slots; slot 0 is the anchor, always "right"
-    return BlockStats(4, correct, torch.tensor([4, correct, 1, 0]), torch.tensor([4, 4, 4, 4]), 8.0, 2.0)
+    # 4 blocks of 4 slots; slot 0 is the anchor, which a DFlash never scores (a DSpark's
+    # anchor slot proposes, and is scored: ``BlockStats.metrics`` tells them apart by it)
+    return BlockStats(4, correct, torch.tensor([0, correct, 1, 0]), torch.tensor([0, 4, 4, 4]), 8.0, 2.0)
 
 
 def job(tmp_path, steps=3):
