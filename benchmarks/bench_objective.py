@@ -25,7 +25,7 @@ from dflash_actors.data.batching import Batch, BatchBuffers, assemble, plan_for
 from dflash_actors.data.dataset import open_dataset
 from dflash_actors.data.synthetic import ensure_synthetic_dataset
 from dflash_actors.models.blocks import batch_anchors
-from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.loss import decay_gamma, dflash_loss
 from dflash_actors.models.target import load_target
 from tests.support.oracle_loss import dflash_loss_per_sequence

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from dflash_actors.data.dataset import open_dataset
     from dflash_actors.eval.tau import real_tau
     from dflash_actors.job.reference import train_reference
-    from dflash_actors.models.drafter import build_drafter
+    from dflash_actors.models.drafter_start import build_drafter
     from dflash_actors.models.target import ensure_target, load_target
     from dflash_actors.prepare.generate import stop_ids
     from dflash_actors.prepare.regenerate import load_tokenizer, prompts_of

@@ -158,7 +158,7 @@ class DrafterConfig:
     linears and unit norms, as every public trainer starts. ``target``: its layers copied
     from the target layers right after the deepest feature layer, ``fc`` passing that
     layer's features through, ``hidden_norm`` and the final norm from the target
-    (``models.drafter.init_from_target``)."""
+    (``models.drafter_start.init_from_target``)."""
     init_parts: tuple[str, ...] = ("layers", "fc", "hidden_norm", "norm")
     """With ``init: target``, which parts come from the target (the rest stay random):
     ``layers``, ``fc``, ``hidden_norm``, ``norm``."""

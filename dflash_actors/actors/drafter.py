@@ -42,7 +42,7 @@ import torch
 
 from ..config import Config
 from ..data.batching import FEATURES, Batch, BatchMeta
-from ..models.drafter import drafter_shell
+from ..models.drafter_start import drafter_shell
 from ..models.head import load_head
 from ..models.loss import Objective
 from ..runtime.actor import Actor

@@ -44,7 +44,7 @@ import torch
 
 from ..cluster.exchange import ClusterError, Exchange
 from ..config import Config
-from ..models.drafter import drafter_shell
+from ..models.drafter_start import drafter_shell
 from ..models.head import target_info
 from ..runtime.actor import Actor, Escalate
 from ..runtime.messages import ProtocolError

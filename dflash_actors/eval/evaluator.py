@@ -62,7 +62,8 @@ import torch
 
 from ..data.dataset import open_dataset
 from ..data.synthetic import ensure_synthetic_dataset
-from ..models.drafter import DFlashDrafter, build_drafter
+from ..models.drafter import DFlashDrafter
+from ..models.drafter_start import build_drafter
 from ..models.target import TargetModel, load_target
 from ..runtime.boot import Deferred, boot
 from ..runtime.files import cannot_write

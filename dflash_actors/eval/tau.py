@@ -27,7 +27,7 @@ from ..data.batching import Batch, BatchBuffers, assemble, plan_for
 from ..data.dataset import open_dataset
 from ..data.synthetic import ensure_synthetic_dataset
 from ..models.blocks import all_anchors, anchor_candidates, block_hidden, block_labels
-from ..models.drafter import build_drafter
+from ..models.drafter_start import build_drafter
 from ..models.loss import decay_gamma, dflash_loss
 from ..models.target import ensure_target, load_target
 from ..prepare.regenerate import prompts_of, regenerate

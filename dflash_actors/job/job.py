@@ -53,7 +53,8 @@ from ..config import Config, ConfigError, dump_config
 from ..console import first_line
 from ..data.batching import META_COLS
 from ..models import shared_weights
-from ..models.drafter import DFlashDrafter, build_drafter
+from ..models.drafter import DFlashDrafter
+from ..models.drafter_start import build_drafter
 from ..models.target import resolve_dtype
 from ..observe import report
 from ..observe.monitor import Monitor, accounting

@@ -61,7 +61,8 @@ from ..config import Config, ConfigError, add_config_args, config_from_args, loa
 from ..console import first_line
 from ..data.batching import Batch, BatchBuffers, assemble
 from ..eval.tau import evaluate_drafter
-from ..models.drafter import DFlashDrafter, build_drafter
+from ..models.drafter import DFlashDrafter
+from ..models.drafter_start import build_drafter
 from ..models.loss import BlockStats, Objective
 from ..models.target import load_target
 from ..prepare.regenerate import ensure_target_text

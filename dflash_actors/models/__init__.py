@@ -1,7 +1,9 @@
 """The models: the frozen target's wrapper (``target``), where its files are (``target_dir``:
 an HF directory, ``pkg:NAME``, GGUF converted once), its self-check (``self_check``), its
 tensor-parallel gang (``tensor_parallel``) and the weights its actors share
-(``shared_weights``), the demo's tiny target (``tiny``), the drafter (``drafter``),
+(``shared_weights``), the demo's tiny target (``tiny``), the drafter (``drafter``: its
+config, layers and export) and where a run's drafter starts (``drafter_start``:
+``init_from``, the target's layers, the mask token),
 DFlash2's convolution and selector (``dflash2``), DSpark's Markov and confidence heads
 (``dspark``), the marks a drafter's modules put on their parameters for the optimizer
 (``marks``: Muon's token tables), the DFlash objective (``loss``) over the

@@ -29,7 +29,7 @@ from ..config import Config, ConfigError
 from ..data.batching import Batch, BatchBuffers, assemble
 from ..data.dataset import TokenDataset, open_dataset
 from ..job.preflight import DataCheck
-from ..models.drafter import build_drafter
+from ..models.drafter_start import build_drafter
 from ..models.loss import Objective
 from ..models.target import load_target
 from ..runtime.boot import Deferred, boot

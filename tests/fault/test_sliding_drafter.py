@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 import launch
 from dflash_actors.job.reference import train_reference
-from dflash_actors.models.drafter import WEIGHTS, DFlashDrafter, read_config, start_config
+from dflash_actors.models.drafter import WEIGHTS, DFlashDrafter, read_config
+from dflash_actors.models.drafter_start import start_config
 from dflash_actors.models.head import load_head
 from dflash_actors.train.checkpoint import latest_checkpoint
 from tests.support.pipeline import (

@@ -19,7 +19,7 @@ import launch
 from dflash_actors.config import dump_config, load_config
 from dflash_actors.data.synthetic import flatten, write_token_dataset
 from dflash_actors.job import rundir
-from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.head import load_head
 from dflash_actors.train.checkpoint import save_checkpoint
 from tests.support.pipeline import ROOT, SMALL

@@ -16,7 +16,7 @@ import torch
 import launch
 from dflash_actors.config import dump_config, load_config
 from dflash_actors.job.job import load_start
-from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.head import load_head
 from dflash_actors.train.checkpoint import MANIFEST, STATE_FILE, checkpoint_root, save_checkpoint
 from tests.support.pipeline import ROOT, SMALL

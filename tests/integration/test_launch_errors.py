@@ -9,7 +9,7 @@ import pytest
 import launch
 from dflash_actors.config import load_config
 from dflash_actors.data.synthetic import flatten, write_token_dataset
-from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.head import load_head
 from tests.support.pipeline import ROOT, SMALL
 

@@ -18,7 +18,7 @@ from dflash_actors.config import load_config
 from dflash_actors.data.dataset import open_dataset
 from dflash_actors.eval.tau import real_tau
 from dflash_actors.job.reference import train_reference
-from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.target import load_target
 from dflash_actors.prepare.regenerate import ensure_target_text, prompts_of
 from tests.support.pipeline import ROOT

@@ -134,7 +134,7 @@ def test_evaluate_reports_parity_and_refuses_a_template_mismatch(chat, cache_dir
                  batch_size=4, shard_size=8, progress=False, threads=1)
     cfg = load_config(ROOT / "configs/default.yaml", SMALL + [f"data.cache_dir={cache_dir}", f"target.path={target}",
                                                              "drafter.block_size=4"])
-    from dflash_actors.models.drafter import build_drafter
+    from dflash_actors.models.drafter_start import build_drafter
     from dflash_actors.models.head import load_head
     drafter_dir = build_drafter(cfg, load_head(cfg)).save_pretrained(tmp_path / "drafter")
     assert DFlashDrafter.from_pretrained(drafter_dir).mask_token_id == 102    # first row past the tokenizer

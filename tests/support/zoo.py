@@ -54,7 +54,7 @@ FAMILIES = {
 DATA_VOCAB = 96
 """``data.synthetic.vocab_size`` of a zoo run: its words (ids 2..94) stay below the row
 the drafter takes as its mask token, the first one past the chat tokenizer's vocabulary
-(``drafter.choose_mask_token``)."""
+(``drafter_start.choose_mask_token``)."""
 
 
 def family_config(family: str):

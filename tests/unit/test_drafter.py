@@ -8,7 +8,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash_actors.config import load_config
-from dflash_actors.models.drafter import DFlashDrafter, build_drafter, choose_mask_token, drafter_shell, sdpa_dense
+from dflash_actors.models.drafter import DFlashDrafter, sdpa_dense
+from dflash_actors.models.drafter_start import build_drafter, choose_mask_token, drafter_shell
 from dflash_actors.train.params import ParamLayout, WeightStore
 from tests.support.pipeline import HEADS_16
 
@@ -259,7 +260,7 @@ def test_init_from_target_copies_the_layers_after_the_deepest_feature_layer(setu
     """drafter.init=target: layers from the target right after the deepest feature layer,
     fc passing that layer through, hidden_norm and norm from the target; the same bits
     whether built next to a loaded target or from its files alone (supervisor, optimizer)."""
-    from dflash_actors.models.drafter import target_init_plan
+    from dflash_actors.models.drafter_start import target_init_plan
     from dflash_actors.models.head import target_info
 
     cfg, target, _ = setup
@@ -283,7 +284,7 @@ def test_init_from_target_copies_the_layers_after_the_deepest_feature_layer(setu
 
 
 def test_init_plan_moves_down_to_layers_that_exist():
-    from dflash_actors.models.drafter import target_init_plan
+    from dflash_actors.models.drafter_start import target_init_plan
 
     assert target_init_plan([1, 27], 30, 2)["layers"] == [28, 29]
     assert target_init_plan([1, 28], 30, 2)["layers"] == [28, 29]

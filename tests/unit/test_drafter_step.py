@@ -9,7 +9,7 @@ import torch
 from dflash_actors.data.batching import Batch, BatchBuffers, assemble, plan_for
 from dflash_actors.data.dataset import open_dataset
 from dflash_actors.data.synthetic import train_path
-from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.loss import Objective, batch_loss
 from dflash_actors.models.target import load_target
 from dflash_actors.train.drafter_step import drafter_step, split_anchors

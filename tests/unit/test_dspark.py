@@ -16,7 +16,8 @@ from dflash_actors.data.dataset import open_dataset
 from dflash_actors.data.synthetic import train_path
 from dflash_actors.models import dspark
 from dflash_actors.models.blocks import all_anchors, block_labels
-from dflash_actors.models.drafter import DFlashDrafter, build_drafter
+from dflash_actors.models.drafter import DFlashDrafter
+from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.loss import Objective, batch_loss, dflash_loss
 from dflash_actors.models.target import TargetModel
 from dflash_actors.train.drafter_step import drafter_step

@@ -14,7 +14,8 @@ from dflash_actors.eval.decode import (
     speculative_generate,
 )
 from dflash_actors.eval.tau import completion_entropy, divergence, real_tau, simulated_tau, walk_tau
-from dflash_actors.models.drafter import build_drafter, sdpa_dense
+from dflash_actors.models.drafter import sdpa_dense
+from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.prepare.regenerate import regenerate
 from tests.support.fitting import fit_briefly, heldout_prompts
 

@@ -16,7 +16,8 @@ from dflash_actors.data.batching import Batch
 from dflash_actors.models import blocks as BL
 from dflash_actors.models import head_loss as H
 from dflash_actors.models import loss as L
-from dflash_actors.models.drafter import build_drafter, sdpa_dense
+from dflash_actors.models.drafter import sdpa_dense
+from dflash_actors.models.drafter_start import build_drafter
 from tests.support.oracle_loss import dflash_loss_per_sequence
 
 ROOT = Path(__file__).resolve().parents[2]

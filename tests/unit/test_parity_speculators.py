@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks import peers
-from dflash_actors.models.drafter import build_drafter
+from dflash_actors.models.drafter_start import build_drafter
 
 STUBS = ("loguru", "hs_connectors")
 CONVERTER = "speculators.convert.dflash.converter"

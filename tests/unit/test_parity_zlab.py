@@ -22,7 +22,8 @@ import torch
 from benchmarks import peers
 from dflash_actors.eval.decode import drafter_proposer, speculative_generate
 from dflash_actors.models.blocks import make_attends
-from dflash_actors.models.drafter import build_drafter, sdpa_dense
+from dflash_actors.models.drafter import sdpa_dense
+from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.loss import Objective
 from tests.support.fitting import fit_briefly, heldout_prompts
 

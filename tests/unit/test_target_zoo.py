@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from dflash_actors.config import ConfigError, load_config
 from dflash_actors.eval.decode import greedy_generate
 from dflash_actors.job.preflight import check_family
-from dflash_actors.models.drafter import OFFSET_NORM_FAMILIES, DFlashDrafter, drafter_config, init_from_target
+from dflash_actors.models.drafter import DFlashDrafter, drafter_config
+from dflash_actors.models.drafter_start import OFFSET_NORM_FAMILIES, init_from_target
 from dflash_actors.models.self_check import self_check
 from dflash_actors.models.target import TargetModel, load_target
 from dflash_actors.models.target_dir import VERIFIED_FAMILIES, attention_for
