@@ -166,14 +166,18 @@ class DrafterConfig:
     """An unused embedding row of the target; None = the target's last vocab row."""
     init_from: Optional[str] = checked(None, optional(nonempty))
     """A drafter directory (e.g. a released DFlash drafter) to start from; None = ``init``."""
-    arch: Literal["dflash", "dflash2", "dspark"] = "dflash"
+    arch: Literal["dflash", "dflash2", "dspark", "xpress"] = "dflash"
     """``dflash``: the drafter of April 2026 (``DFlashDraftModel``). ``dflash2``: DFlash2
     (``DFlash2DraftModel``): a two-tap in-block convolution around every sublayer and a
     candidate selector that proposes from the head's top ``selector_top_k`` per slot
     (``models.dflash2``). Both start computing the same thing. ``dspark``: DSpark
     (``Qwen3DSparkModel``): DFlash's backbone whose every slot proposes (slot k predicts
     the token after ``a + k``, so a block of B drafts B), a Markov head and a confidence
-    head (``models.dspark``); its loss needs ``train.loss: distill``."""
+    head (``models.dspark``); its loss needs ``train.loss: distill``. ``xpress``: XPress
+    (``Qwen3XPressModel``): DFlash's backbone and labels plus a causal refiner head whose
+    logit bias reads each slot's previous token, trained teacher-forced and over free-running
+    Jacobi rounds, decoded by Jacobi rounds (``models.xpress``); its default loss needs
+    ``train.loss: distill``."""
     conv_kernel_size: int = checked(2, at_least(1))
     """dflash2: taps of the in-block convolution (self and predecessor, as published)."""
     conv_group_size: int = checked(16, at_least(1))
@@ -216,6 +220,26 @@ class DrafterConfig:
     dspark_distance: Literal["l1", "kl"] = "l1"
     """dspark: ``l1``: ``sum_v |p_draft - p_target|`` (DeepSpec, NeMo, SpecForge);
     ``kl``: ``KL(p_target || p_draft)`` (speculators' default)."""
+    xpress_rank: int = checked(256, at_least(1))
+    """xpress: width r of the refiner (its token table and readout are ``[vocab, r]``)."""
+    xpress_mlp_ratio: int = checked(2, at_least(1))
+    """xpress: the refiner's SwiGLU is ``r -> ratio*r -> r`` (2 in the released checkpoints)."""
+    xpress_jacobi_passes: int = checked(6, at_least(0))
+    """xpress: free-running refine rounds when decoding (speculators' ``num_jacobi_passes``;
+    exported as that key)."""
+    xpress_ce_alpha: float = checked(0.1, at_least(0))
+    """xpress: weight of the cross-entropy in each pass's term."""
+    xpress_tv_alpha: float = checked(0.9, at_least(0))
+    """xpress: weight of ``TV = 1 - sum_v min(p_draft, p_target)`` in each pass's term."""
+    xpress_ce_labels: Literal["target", "data"] = "target"
+    """xpress: the cross-entropy's label: the target's argmax (speculators' default) or the
+    data's token (its ``ce_from_data``)."""
+    xpress_consistency_weight: float = checked(0.3, at_least(0))
+    """xpress: weight of the mean over the free-running training rounds (0: none)."""
+    xpress_consistency_passes: int = checked(3, at_least(0))
+    """xpress: free-running rounds in training, each fed the previous one's argmax."""
+    xpress_base_anchor_weight: float = checked(0.6, at_least(0))
+    """xpress: weight of the backbone's own logits' term (keeps the Jacobi seed good)."""
     selector_init: Literal["zeros", "normal"] = "zeros"
     """dflash2: how a new drafter's selector starts (the predecessor codebook is normal(0.02)
     either way). ``zeros``: a zero successor codebook, so the selector starts at DFlash's
@@ -245,6 +269,8 @@ class DrafterConfig:
         if self.arch == "dspark" and not (self.dspark_ce_alpha or self.dspark_distance_alpha
                                           or self.dspark_confidence_alpha):
             raise ConfigError("dspark_ce_alpha: dspark's three loss weights are all 0; nothing would train")
+        if self.arch == "xpress" and not (self.xpress_ce_alpha or self.xpress_tv_alpha):
+            raise ConfigError("xpress_ce_alpha: xpress's CE and TV weights are both 0; nothing would train")
 
     @property
     def windows(self) -> Optional[tuple[str, ...]]:
@@ -546,6 +572,8 @@ class Config:
                               f"got {self.train.head_vocab})")
         if self.drafter.arch == "dspark":
             self._check_dspark()
+        if self.drafter.arch == "xpress":
+            self._check_xpress()
         tokens = self.train.drafter_block_tokens
         if tokens is not None and tokens < self.drafter.block_size:
             raise ConfigError(f"train.drafter_block_tokens: must be >= drafter.block_size={self.drafter.block_size} "
@@ -587,6 +615,19 @@ class Config:
                               f"distance runs over the whole vocabulary; got {t.head_vocab})")
         if t.position_weight != "decay":
             raise ConfigError(f"train.position_weight: dspark weighs its slots by decay (got {t.position_weight})")
+
+    def _check_xpress(self) -> None:
+        """What an XPress's objective (``models.xpress``) takes from the other sections."""
+        d, t = self.drafter, self.train
+        if (d.xpress_tv_alpha or (d.xpress_ce_alpha and d.xpress_ce_labels == "target")) and t.loss != "distill":
+            raise ConfigError(f"train.loss: xpress's TV term and target-argmax CE learn the target's distribution, "
+                              f"which only distill puts into the features (got {t.loss}; or set "
+                              "drafter.xpress_tv_alpha 0 and xpress_ce_labels data)")
+        if t.head_vocab != "full":
+            raise ConfigError(f"train.head_vocab: xpress needs full (its refiner biases every token and its "
+                              f"rounds take the argmax over all of them; got {t.head_vocab})")
+        if t.position_weight != "decay":
+            raise ConfigError(f"train.position_weight: xpress weighs its slots by decay (got {t.position_weight})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..models.dspark import markov_walk
+from ..models.xpress import jacobi, xpress_sizes
 
 EXACT_ROWS = 4
 """Rows from which MKL's float32 matrix product on CPU rounds each row the same whatever
@@ -167,7 +168,8 @@ def verify_block(drafter) -> int:
 
 class DrafterBlocks:
     """The drafter's greedy blocks (a DFlash2's: its selector's walk; a DSpark's: its Markov
-    walk, each slot's logits biased by the token drafted before it) for several
+    walk, each slot's logits biased by the token drafted before it; an XPress's: its
+    ``num_jacobi_passes`` Jacobi rounds, ``models.xpress.jacobi``) for several
     generations (``propose_rows`` of ``speculative_generate_rows``; ``drafter_proposer``
     is one generation).
 
@@ -186,12 +188,21 @@ class DrafterBlocks:
 
     @torch.no_grad()
     def __call__(self, rows: list[int], ids: list[torch.Tensor], feats: list[torch.Tensor]) -> list[torch.Tensor]:
-        hidden = [self._hidden(r, i, f).to(self.target.dtype) for r, i, f in zip(rows, ids, feats)]
+        whole = [self._hidden(r, i, f) for r, i, f in zip(rows, ids, feats)]
+        first = 1 - getattr(self.drafter, "label_shift", 0)
+        hidden = [h[first:].to(self.target.dtype) for h in whole]
         drafts = verify_block(self.drafter) - 1
         if drafts < EXACT_ROWS:
             logits = [self.target.lm_head(h) for h in hidden]
         else:
             logits = list(self.target.lm_head(torch.cat(hidden)).split(drafts))
+        refiner = getattr(self.drafter, "refiner_head", None)
+        if refiner is not None:
+            # XPress: the backbone's argmax, then its Jacobi rounds over the whole block
+            # (slot 0's state enters the block mean), slot 0 after the token before the anchor.
+            passes = xpress_sizes(self.drafter.config)["num_jacobi_passes"]
+            return [jacobi(refiner, b[None], x[None], i[-2:-1] if len(i) > 1 else i[-1:], i[-1:], passes)[0]
+                    for b, x, i in zip(whole, logits, ids)]
         markov = getattr(self.drafter, "markov_head", None)
         if markov is not None:
             return [markov_walk(markov, x[None], i[-1:])[0] for x, i in zip(logits, ids)]
@@ -217,7 +228,7 @@ class DrafterBlocks:
         block[0] = ids[-1]
         noise = self.target.embed_tokens(block)[None].to(d.fc.weight.dtype)
         positions = torch.arange(start, start + B, device=ids.device)[None]
-        return d.forward_cached(noise, self.kv[r], positions)[0, 1 - getattr(d, "label_shift", 0):]
+        return d.forward_cached(noise, self.kv[r], positions)[0]     # the whole block, slot 0 included
 
 
 def drafter_proposer(drafter, target):

@@ -30,6 +30,7 @@ from ..models.blocks import all_anchors, anchor_candidates, block_hidden, block_
 from ..models.drafter_start import build_drafter
 from ..models.loss import decay_gamma, dflash_loss
 from ..models.target import ensure_target, load_target
+from ..models.xpress import jacobi, xpress_sizes
 from ..prepare.regenerate import prompts_of, regenerate
 from .decode import (
     EXACT_ROWS,
@@ -318,7 +319,8 @@ def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
                     feats: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(correct, valid)`` ``[A, B-1]``: per anchor (``anchor_candidates(mask)``), whether
     each draft slot (a DFlash2's: its selector's choice; a DSpark's: ``[A, B]``, every slot
-    its Markov-biased argmax after the text's token before it) equals the text, up to the first
+    its Markov-biased argmax after the text's token before it; an XPress's: its Jacobi
+    drafts, ``_jacobi_correct``) equals the text, up to the first
     slot that does not (every later one reads False: no metric counts past it, and
     skipping its vocabulary head, most of the cost, makes this several times cheaper for
     a drafter that accepts little). This is the
@@ -331,6 +333,8 @@ def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
                           ids_t, anchors).to(target.dtype)
     shift = getattr(drafter, "label_shift", 0)
     labels, valid = block_labels(ids_t, torch.from_numpy(mask).to(target.device), anchors, drafter.block_size, shift)
+    if getattr(drafter, "refiner_head", None) is not None:
+        return _jacobi_correct(drafter, target, hidden, ids_t, anchors, labels, valid)
     correct = torch.zeros_like(valid)
     first = 1 - shift                   # a DFlash's slot 0 is the anchor itself, never a draft
     alive = valid[:, first]
@@ -356,6 +360,27 @@ def drafter_correct(drafter, target, ids: torch.Tensor, mask: np.ndarray,
         if k + 1 < drafter.block_size:
             alive = correct[:, k] & valid[:, k + 1]
     return correct[:, first:].cpu().numpy(), valid[:, first:].cpu().numpy()
+
+
+JACOBI_BLOCKS = 64
+"""Blocks whose ``[B-1, vocab]`` logits exist at once in ``_jacobi_correct``."""
+
+
+def _jacobi_correct(drafter, target, hidden, ids, anchors, labels, valid) -> tuple[np.ndarray, np.ndarray]:
+    """``drafter_correct`` of an XPress: its rule is decoding's, every slot drafted at once
+    by ``num_jacobi_passes`` Jacobi rounds (``models.xpress.jacobi``), so the whole block's
+    drafts are made, then cut at the first wrong slot."""
+    passes = xpress_sizes(drafter.config)["num_jacobi_passes"]
+    before = torch.where(anchors > 0, ids[(anchors - 1).clamp(min=0)], ids[anchors])
+    drafts = []
+    for s in range(0, len(anchors), JACOBI_BLOCKS):
+        sl = slice(s, s + JACOBI_BLOCKS)
+        base = target.lm_head(hidden[sl, 1:])
+        drafts.append(jacobi(drafter.refiner_head, hidden[sl].to(drafter.fc.weight.dtype), base, before[sl],
+                             ids[anchors[sl]], passes))
+    pred = torch.cat(drafts) if drafts else labels[:, 1:]
+    correct = ((pred == labels[:, 1:]) & valid[:, 1:]).long().cumprod(dim=1).bool()
+    return correct.cpu().numpy(), valid[:, 1:].cpu().numpy()
 
 
 def proposer_correct(propose, ids: torch.Tensor, prompt_len: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from .dflash2 import DFLASH2_KEYS, BlockConv, CandidateSelector
 from .dspark import DSPARK_ARCH, DSPARK_KEYS, build_heads, is_dspark
 from .target_dir import is_hf_dir
+from .xpress import XPRESS_ARCH, XPRESS_KEYS, build_refiner, is_xpress, xpress_sizes
 
 WEIGHTS = "model.safetensors"
 # Saved as ``dflash.py`` beside the weights: config.json's ``auto_map`` names it.
@@ -41,10 +42,11 @@ SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "interme
 def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: list[int],
                    mask_token_id: int, mask_token_reason: str, vocab_size: int,
                    dflash2: dict | None = None, shape: dict | None = None,
-                   dspark: dict | None = None) -> Qwen3Config:
+                   dspark: dict | None = None, xpress: dict | None = None) -> Qwen3Config:
     """A Qwen3 config sized like the target (hidden, heads, MLP, RoPE), with DFlash fields;
     a DFlash2's with ``dflash2`` (its four ``DFLASH2_KEYS``, ``dflash2_fields``), a DSpark's
-    with ``dspark`` (``DSPARK_KEYS``, ``dspark_fields``). ``shape``
+    with ``dspark`` (``DSPARK_KEYS``, ``dspark_fields``), an XPress's with ``xpress``
+    (``XPRESS_KEYS``, ``xpress_fields``). ``shape``
     (``shape_fields``) overrides the sizes of ``SHAPE_KEYS`` and gives ``layer_types`` and
     ``sliding_window``."""
     t, shape = target_config, dict(shape or {})
@@ -90,6 +92,14 @@ def drafter_config(target_config, num_layers: int, block_size: int, layer_ids: l
         for k in DSPARK_KEYS:
             setattr(cfg, k, dspark[k])
         cfg.mask_token_id, cfg.target_layer_ids = mask_token_id, list(layer_ids)
+    if xpress is not None:
+        # DFlash's layout (``dflash_config``) plus speculators' XPress fields at the top
+        # level; slot 0 is the anchor (speculators' ``sample_from_anchor`` False).
+        cfg.architectures = [XPRESS_ARCH]
+        del cfg.auto_map
+        for k in XPRESS_KEYS:
+            setattr(cfg, k, int(xpress[k]))
+        cfg.sample_from_anchor = False
     return cfg
 
 
@@ -157,6 +167,8 @@ def arch_of(config) -> tuple[str, dict | None]:
         return "dflash2", {k: int(config.dflash_config[k]) for k in DFLASH2_KEYS}
     if is_dspark(config):
         return "dspark", {k: getattr(config, k, None) for k in DSPARK_KEYS}
+    if is_xpress(config):
+        return "xpress", xpress_sizes(config)
     return "dflash", None
 
 
@@ -285,6 +297,8 @@ class DFlashDrafter(nn.Module):
         self.markov_head = self.confidence_head = None
         if is_dspark(config):
             self.markov_head, self.confidence_head = build_heads(config)
+        # An XPress's refiner (``models.xpress``), likewise last.
+        self.refiner_head = build_refiner(config) if is_xpress(config) else None
         # Slot k's label is tok[a + k + label_shift]: 0 for DFlash (slot 0 proposes
         # nothing), 1 for DSpark (every slot proposes).
         self.label_shift = 1 if self.markov_head is not None else 0
@@ -319,6 +333,9 @@ class DFlashDrafter(nn.Module):
         if self.confidence_head is not None:
             with torch.no_grad():
                 self.confidence_head.proj.bias.zero_()     # as HF's init of a Linear's bias
+        if self.refiner_head is not None:
+            with torch.no_grad():
+                self.refiner_head.mix_l.zero_()      # XPress's mixer starts at zero (speculators' init)
         return self
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -379,8 +396,8 @@ class DFlashDrafter(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         d = self.config.to_dict()
-        d["architectures"] = [{"dflash2": "DFlash2DraftModel", "dspark": DSPARK_ARCH}.get(arch_of(self.config)[0],
-                                                                                        "DFlashDraftModel")]
+        d["architectures"] = [{"dflash2": "DFlash2DraftModel", "dspark": DSPARK_ARCH,
+                               "xpress": XPRESS_ARCH}.get(arch_of(self.config)[0], "DFlashDraftModel")]
         (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS), metadata={"format": "pt"})

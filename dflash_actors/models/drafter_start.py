@@ -27,6 +27,7 @@ from .drafter import (
 from .dspark import dspark_fields
 from .target import ensure_target, load_target
 from .target_dir import has_tokenizer
+from .xpress import xpress_fields
 
 
 def choose_mask_token(tokenizer, embedding_rows: int) -> tuple[int, str]:
@@ -181,9 +182,10 @@ def start_config(cfg, target) -> Qwen3Config:
     if not 0 <= mask_id < target.vocab_size:
         raise ValueError(f"drafter.mask_token_id: {mask_id} is outside the target's vocab of {target.vocab_size}")
     arch, shape, dspark = dflash2_fields(cfg.drafter), shape_fields(cfg.drafter), dspark_fields(cfg.drafter)
+    xpress = xpress_fields(cfg.drafter)
     if cfg.drafter.init_from is None:
         config = drafter_config(target.config, cfg.drafter.num_layers, cfg.drafter.block_size, target.layer_ids,
-                                mask_id, reason, target.vocab_size, arch, shape, dspark)
+                                mask_id, reason, target.vocab_size, arch, shape, dspark, xpress)
         _check_target_init(cfg.drafter, config, target.config)
         return config
     if not Path(cfg.drafter.init_from).exists():
@@ -199,7 +201,7 @@ def start_config(cfg, target) -> Qwen3Config:
         raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} has (layer ids, block, mask id, hidden) "
                          f"{have}, this run needs {want} (mask id: {reason})")
     have_arch = arch_of(config)
-    want_arch = (cfg.drafter.arch, arch if arch is not None else dspark)
+    want_arch = (cfg.drafter.arch, next((f for f in (arch, dspark, xpress) if f is not None), None))
     if have_arch != want_arch:
         name = lambda a: a[0] if a[1] is None else f"{a[0]} {a[1]}"   # noqa: E731
         raise ValueError(f"drafter.init_from: {cfg.drafter.init_from} is a {name(have_arch)} drafter, this run "

@@ -43,6 +43,7 @@ from .blocks import PaddedBlocks, autocast_for, batch_anchors, block_labels, pad
 from .dflash2 import SelectorObjective, selector_rows
 from .dspark import DEFAULT_GAMMA, DSparkObjective, dspark_rows
 from .head_loss import VocabRows, as_rows, head_candidates, restricted_ce, training_vocab
+from .xpress import XPressObjective, xpress_rows
 
 
 def decay_gamma(cfg) -> float:
@@ -50,8 +51,8 @@ def decay_gamma(cfg) -> float:
     DSpark's 4 (DeepSpec's, every block)."""
     if cfg.train.gamma is not None:
         return float(cfg.train.gamma)
-    if cfg.drafter.arch == "dspark":
-        return DEFAULT_GAMMA
+    if cfg.drafter.arch in ("dspark", "xpress"):
+        return DEFAULT_GAMMA        # DeepSpec's and speculators' XPress default
     b = cfg.drafter.block_size
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(b, max(1.0, b / 2 - 1))
 
@@ -152,6 +153,8 @@ class Objective:
     """A DFlash2's selector term (None: a DFlash)."""
     dspark: DSparkObjective | None = None
     """A DSpark's three terms (``models.dspark``)."""
+    xpress: XPressObjective | None = None
+    """An XPress's passes and terms (``models.xpress``)."""
 
     @classmethod
     def from_config(cls, cfg) -> "Objective":
@@ -159,7 +162,8 @@ class Objective:
         return cls(t.num_anchors, decay_gamma(cfg), t.seed, t.compute_dtype,
                    "checkpointed" if t.head_loss == "checkpointed" else "fused", t.position_weight, t.dpace_alpha,
                    t.loss, training_vocab(cfg), t.head_negatives if t.head_vocab == "sampled" else 0,
-                   SelectorObjective.from_config(cfg), DSparkObjective.from_config(cfg))
+                   SelectorObjective.from_config(cfg), DSparkObjective.from_config(cfg),
+                   XPressObjective.from_config(cfg))
 
 
 @dataclass
@@ -202,7 +206,8 @@ def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: fl
                 weights: torch.Tensor | None = None, total_weight: torch.Tensor | None = None,
                 checkpoint_layers: bool = False, selector: SelectorObjective | None = None,
                 selector_total: torch.Tensor | None = None,
-                dspark: DSparkObjective | None = None) -> tuple[torch.Tensor, "Tally"]:
+                dspark: DSparkObjective | None = None,
+                xpress: XPressObjective | None = None) -> tuple[torch.Tensor, "Tally"]:
     """``(sum(CE*w) / total_weight [+ the selector term], tally)`` over ``blocks``
     (``dflash_loss`` says what each option does); ``total_weight`` defaults to these
     blocks' own ``sum(w)``, and a micro-batch passes the whole batch's instead, so that
@@ -213,7 +218,8 @@ def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: fl
     A DFlash2 drafter (one with a ``candidate_selector``) is scored on what its selector
     proposes; with ``selector`` its K-way cross-entropy joins the loss
     (``models.dflash2.SelectorObjective``). A DSpark drafter (one with a ``markov_head``)
-    takes ``dspark``'s three terms over the same denominator (``models.dspark``).
+    takes ``dspark``'s three terms over the same denominator (``models.dspark``); an
+    XPress drafter (one with a ``refiner_head``) ``xpress``'s passes (``models.xpress``).
     """
     if blocks.shift != getattr(drafter, "label_shift", 0):
         raise ValueError(f"blocks_loss: blocks laid out with label shift {blocks.shift} for a drafter whose "
@@ -224,6 +230,8 @@ def blocks_loss(drafter, head, features: torch.Tensor, blocks: Blocks, gamma: fl
     lab = blocks.labels[rows]
     if getattr(drafter, "markov_head", None) is not None:
         return _dspark_loss(drafter, head, features, blocks, hidden, gamma, loss, weights, total_weight, dspark)
+    if getattr(drafter, "refiner_head", None) is not None:
+        return _xpress_loss(drafter, head, features, blocks, hidden, gamma, loss, weights, total_weight, xpress)
     teacher = teacher_rows(features, p, rows, hidden.shape[-1]) if loss == "distill" else None
     W = head.lm_head.weight
     chooser = drafter.candidate_selector
@@ -277,6 +285,24 @@ def _dspark_loss(drafter, head, features, blocks: Blocks, hidden, gamma, loss, w
     return value, tally
 
 
+def _xpress_loss(drafter, head, features, blocks: Blocks, hidden, gamma, loss, weights, total_weight,
+                 objective: XPressObjective | None) -> tuple[torch.Tensor, "Tally"]:
+    p, rows = blocks.p, blocks.rows
+    teacher = teacher_rows(features, p, rows, hidden.shape[-1]) if loss == "distill" else None
+    w = blocks.decay_weights(gamma) if weights is None else weights
+    # tok[a+k] for every slot (labels: clamped past a row's end, where nothing is supervised)
+    # and tok[a-1], the anchor's own token at a row's first position.
+    before = p.tokens.gather(1, (p.anchors - 1).clamp(min=0))
+    before = torch.where(p.anchors > 0, before, p.tokens.gather(1, p.anchors))
+    out = xpress_rows(drafter.refiner_head, hidden, head.lm_head.weight, blocks.labels, before, rows, teacher, w,
+                      objective)
+    wsum = w.sum()
+    value = out.numerator / (wsum if total_weight is None else total_weight)
+    tally = Tally(torch.zeros_like(blocks.valid), (out.hard * w).sum(), wsum, out.hard)
+    tally.correct[rows] = out.pred == blocks.labels[rows]
+    return value, tally
+
+
 @dataclass
 class Tally:
     """What ``blocks_loss`` measured besides its value: ``block_stats`` counts it."""
@@ -320,7 +346,8 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
                 position_weight: str = "decay", dpace_alpha: float = 0.5, loss: str = "ce",
                 vocab: torch.Tensor | VocabRows | None = None,
                 selector: SelectorObjective | None = None,
-                dspark: DSparkObjective | None = None) -> tuple[torch.Tensor, BlockStats]:
+                dspark: DSparkObjective | None = None,
+                xpress: XPressObjective | None = None) -> tuple[torch.Tensor, BlockStats]:
     """``(loss, stats)`` for a packed batch given its anchors per row, in one forward.
 
     ``head`` provides the frozen target ``embed_tokens`` and ``lm_head``; ``features``
@@ -339,7 +366,8 @@ def dflash_loss(drafter, head, features: torch.Tensor, batch, anchors: list[np.n
     blocks = lay_out(batch, anchors, drafter.block_size, features.device, getattr(drafter, "label_shift", 0))
     value, tally = blocks_loss(drafter, head, features, blocks, gamma, compute_dtype=compute_dtype,
                                head_loss=head_loss, position_weight=position_weight, dpace_alpha=dpace_alpha,
-                               loss=loss, vocab=as_rows(vocab, head), selector=selector, dspark=dspark)
+                               loss=loss, vocab=as_rows(vocab, head), selector=selector, dspark=dspark,
+                               xpress=xpress)
     return value, block_stats(blocks, tally)
 
 
@@ -364,4 +392,5 @@ def batch_loss(drafter, head, features: torch.Tensor, batch, objective: Objectiv
     return dflash_loss(drafter, head, features, batch, batch_anchors(batch, o.num_anchors, o.seed, epoch, batch_id),
                        o.gamma, compute_dtype=o.compute_dtype, head_loss=o.head_loss,
                        position_weight=o.position_weight, dpace_alpha=o.dpace_alpha, loss=o.loss,
-                       vocab=batch_vocab(o, head, epoch, batch_id), selector=o.selector, dspark=o.dspark)
+                       vocab=batch_vocab(o, head, epoch, batch_id), selector=o.selector, dspark=o.dspark,
+                       xpress=o.xpress)

@@ -97,7 +97,7 @@ def drafter_step(drafter, head, features: torch.Tensor, batch, objective: Object
     vocab = as_rows(batch_vocab(o, head, epoch, batch_id), head)
     options = dict(compute_dtype=o.compute_dtype, head_loss=o.head_loss, position_weight=o.position_weight,
                    dpace_alpha=o.dpace_alpha, loss=o.loss, vocab=vocab, checkpoint_layers=checkpoint_layers,
-                   selector=o.selector, dspark=o.dspark)
+                   selector=o.selector, dspark=o.dspark, xpress=o.xpress)
     if len(groups) == 1:
         value, tally = blocks_loss(drafter, head, features, groups[0], o.gamma, **options)
         value.backward()

@@ -42,6 +42,7 @@ from ..models.dflash2 import SelectorObjective
 from ..models.drafter import DFlashDrafter, drafter_config
 from ..models.dspark import DSparkObjective
 from ..models.marks import OFF_MUON, keep_off_muon
+from ..models.xpress import XPressObjective
 from . import optim
 
 TRACE_GAMMA = 7.0
@@ -163,11 +164,17 @@ def spread_anchors(rows: int, length: int, anchors: int) -> list[np.ndarray]:
     return [np.linspace(0, length - 2, n).round().astype(np.int64) for _ in range(rows)]
 
 
+def trace_xpress(loss: str) -> XPressObjective:
+    """The XPress passes a trace runs: speculators' defaults, with data labels and no TV
+    when the features carry no teacher (the only XPress such a run may train)."""
+    return XPressObjective() if loss == "distill" else XPressObjective(1.0, 0.0, ce_labels="data")
+
+
 def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_layers: int, head_dtype: torch.dtype,
                        autocast_bf16: bool, cuda: bool, rows: int, ctx_len: int, anchors: int,
                        checkpoint_layers: bool = False, head_loss: str = "fused", loss: str = "ce",
                        dflash2: dict | None = None, shape: dict | None = None,
-                       dspark: dict | None = None) -> StepTrace:
+                       dspark: dict | None = None, xpress: dict | None = None) -> StepTrace:
     """One micro-batch of ``rows`` rows of ``ctx_len`` tokens with ``anchors`` anchors each
     through the real ``blocks_loss`` and backward, for a drafter of ``layers`` layers shaped
     like ``target_config`` reading ``feature_layers`` target layers (and the teacher's last
@@ -175,13 +182,14 @@ def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_l
     own (a dense mask for sdpa). Gradients exist already (a running sum), as from a
     step's second micro-batch on. ``dflash2``: a DFlash2's sizes (``drafter.dflash2_fields``),
     its selector term included; ``dspark``: a DSpark's (``dspark.dspark_fields``), its
-    heads and three terms included."""
+    heads and three terms included; ``xpress``: an XPress's (``xpress.xpress_fields``), its
+    refiner and default passes included."""
     H, V = int(target_config.hidden_size), int(target_config.vocab_size)
     batch = packed_batch(rows, ctx_len)
     blocks = L.lay_out(batch, spread_anchors(rows, ctx_len, anchors), block_size, "cpu", int(dspark is not None))
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
         drafter = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                               "trace", V, dflash2, shape, dspark))
+                                               "trace", V, dflash2, shape, dspark, xpress))
         for p in drafter.parameters():
             p.grad = torch.zeros_like(p)
         head = SimpleNamespace(embed_tokens=torch.nn.Embedding(V, H, dtype=head_dtype).requires_grad_(False),
@@ -198,7 +206,8 @@ def trace_drafter_step(target_config, *, layers: int, block_size: int, feature_l
                                          compute_dtype="bfloat16" if autocast_bf16 else "float32",
                                          head_loss=head_loss, loss=loss, checkpoint_layers=checkpoint_layers,
                                          selector=None if dflash2 is None else SelectorObjective(),
-                                         dspark=None if dspark is None else DSparkObjective())
+                                         dspark=None if dspark is None else DSparkObjective(),
+                                         xpress=None if xpress is None else trace_xpress(loss))
             value.backward()
             del value
     return StepTrace(saved[0], live.peak)
@@ -280,12 +289,13 @@ def target_rank_numel(target_config, ranks: int) -> int:
 
 
 def drafter_numel(target_config, layers: int, block_size: int, feature_layers: int,
-                  dflash2: dict | None = None, shape: dict | None = None, dspark: dict | None = None) -> int:
+                  dflash2: dict | None = None, shape: dict | None = None, dspark: dict | None = None,
+                  xpress: dict | None = None) -> int:
     """Parameters of a drafter of ``layers`` layers for ``target_config``, built without memory."""
     V = int(target_config.vocab_size)
     with torch._subclasses.fake_tensor.FakeTensorMode():
         d = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                         "count", V, dflash2, shape, dspark))
+                                         "count", V, dflash2, shape, dspark, xpress))
         return sum(p.numel() for p in d.parameters())
 
 
@@ -310,7 +320,8 @@ def fakes_take_multi_tensor_paths():
 
 def trace_optimizer_step(target_config, *, layers: int, block_size: int, feature_layers: int, drafters: int,
                          train, device: str = "cuda", dflash2: dict | None = None,
-                         shape: dict | None = None, dspark: dict | None = None) -> StepTrace:
+                         shape: dict | None = None, dspark: dict | None = None,
+                         xpress: dict | None = None) -> StepTrace:
     """The optimizer actor's own step for a drafter of this shape on a ``device`` of that
     kind: ``optim.build_optimizer`` and ``build_scheduler`` from ``train`` (the run's
     ``TrainConfig``), then ``optim.reduce_and_step`` over ``drafters`` gradient sums in
@@ -320,7 +331,7 @@ def trace_optimizer_step(target_config, *, layers: int, block_size: int, feature
     V = int(target_config.vocab_size)
     with torch._subclasses.fake_tensor.FakeTensorMode():
         shell = DFlashDrafter(drafter_config(target_config, layers, block_size, list(range(feature_layers)), V - 1,
-                                             "trace", V, dflash2, shape, dspark))
+                                             "trace", V, dflash2, shape, dspark, xpress))
         # Made on the device, not moved there: a CPU build fakes a CUDA tensor, not a copy to one.
         params = [torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device)) for p in shell.parameters()]
         # ``train.optimizer: muon`` splits them as the shell's own are split (``optim.takes_muon``).

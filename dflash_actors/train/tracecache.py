@@ -33,6 +33,7 @@ import torch
 from ..models.drafter import SHAPE_KEYS, dflash2_fields, shape_fields
 from ..models.dspark import dspark_fields
 from ..models.target import resolve_dtype
+from ..models.xpress import xpress_fields
 from . import memtrace
 
 PACKAGE = __name__.split(".")[0]
@@ -93,6 +94,8 @@ class RunTraces:
         self.arch = {} if fields is None else {"dflash2": fields}     # a DFlash's keys as before
         if cfg.drafter.arch == "dspark":
             self.arch["dspark"] = dspark_fields(cfg.drafter)
+        if cfg.drafter.arch == "xpress":
+            self.arch["xpress"] = xpress_fields(cfg.drafter)
         # The drafter's own attention and MLP sizes; a window keeps what full attention keeps.
         shape = {k: v for k, v in shape_fields(cfg.drafter).items() if k in SHAPE_KEYS}
         if shape:

@@ -226,6 +226,11 @@ CASES = {
     "dspark unknown distance": (["--set", "drafter.dspark_distance=js"], ["drafter.dspark_distance"]),
     "dspark negative loss weight": (["--set", "drafter.dspark_confidence_alpha=-1"],
                                     ["drafter.dspark_confidence_alpha", "(got -1"]),
+    "xpress without the target's distribution": (["--set", "drafter.arch=xpress"],
+                                                 ["train.loss: xpress's TV term"]),
+    "xpress with D-PACE weights": (["--set", "drafter.arch=xpress", "--set", "train.loss=distill",
+                                    "--set", "train.position_weight=dpace"], ["train.position_weight: xpress"]),
+    "xpress unknown CE labels": (["--set", "drafter.xpress_ce_labels=argmax"], ["drafter.xpress_ce_labels"]),
     "--plan-only checks the target too": (["--plan-only", "--set", "target.path={d}/small_vocab"],
                                           ["data-00000-of-00001.arrow: row ", "outside [0, 64)"]),
     # sliding-window drafter layers, and shapes apart from the target's

@@ -20,9 +20,10 @@ def heldout_prompts(cfg, n: int) -> list[torch.Tensor]:
 
 
 def fit_briefly(drafter, target, prompts: list[torch.Tensor], new_tokens: int = 32, steps: int = 20,
-                selector=None):
+                selector=None, xpress=None):
     """Train ``drafter`` (Adam, lr 3e-3, every anchor) on the target's greedy continuation
-    of ``prompts``; the last step's stats. ``selector``: a DFlash2's selector objective."""
+    of ``prompts``; the last step's stats. ``selector``: a DFlash2's selector objective;
+    ``xpress``: an XPress's (one that needs no teacher: these features carry none)."""
     texts = [greedy_cached(target, p, new_tokens)[0] for p in prompts]
     lens = [len(x) for x in texts]
     batch = Batch(torch.cat(texts), torch.cat([torch.arange(n) for n in lens]),
@@ -31,7 +32,7 @@ def fit_briefly(drafter, target, prompts: list[torch.Tensor], new_tokens: int = 
     feats, anchors = target.features(batch), all_anchors(batch)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     for _ in range(steps):
-        loss, stats = dflash_loss(drafter, target, feats, batch, anchors, 4.0, selector=selector)
+        loss, stats = dflash_loss(drafter, target, feats, batch, anchors, 4.0, selector=selector, xpress=xpress)
         opt.zero_grad()
         loss.backward()
         opt.step()
