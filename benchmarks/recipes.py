@@ -88,6 +88,9 @@ VARIANTS = {
     # Sliding-window drafter layers (#56) against none ("default"), on the config as it is:
     # every layer sliding_attention, a window of 64 (the texts run to about 200 tokens).
     "d2_window64": ["drafter.init=random", "train.position_weight=dpace", "drafter.sliding_window=64"],
+    # Muon (#57) on the config as it is: speculators 0.9.0's split and defaults
+    # (docs/objective.md, "Optimisers"), the config's lr and schedule.
+    "d2_muon": ["drafter.init=random", "train.position_weight=dpace", "train.optimizer=muon"],
     "d2_distill": ["drafter.init=random", "train.position_weight=dpace", "train.loss=distill"],
     "d2_wd0.1": ["drafter.init=random", "train.position_weight=dpace", "train.weight_decay=0.1"],
     # The optimiser's two plain knobs at the journey's budget, neither measured upward
