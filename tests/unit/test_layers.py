@@ -92,7 +92,7 @@ def test_imports_run_only_down_the_layers():
 
 @pytest.mark.parametrize("where, line, rule", [
     ("data/batching.py", "from ..models.drafter import build_drafter", "data/ is below models/"),
-    ("config.py", "from .train.schedule import Schedule", "config/ is below train/"),
+    ("config/__init__.py", "from ..train.schedule import Schedule", "config/ is below train/"),
     ("eval/tau.py", "from ..job.preflight import preflight", "eval/ is below job/"),
     ("train/optim.py", "from ..tools import chaos", "train/ is below tools/"),
     ("eval/decode.py", "from ..observe.monitor import Monitor", "eval/ and observe/ are siblings"),

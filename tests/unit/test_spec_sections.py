@@ -44,7 +44,7 @@ def closure(module: str) -> set[Path]:
 
 def sections_read(module: str) -> set[str]:
     read: set[str] = set()
-    for path in closure(module) - {PACKAGE / "config.py"}:    # the config's own methods
+    for path in closure(module) - set((PACKAGE / "config").glob("*.py")):    # the config's own methods
         text = path.read_text()
         if re.search(r"\bcfg\.(to_dict|digest|updated)\(", text):
             return set(SECTIONS)
