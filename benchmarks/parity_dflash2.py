@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import copy
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from benchmarks import harness
 from benchmarks import nemo_dflash2 as nemo
+from benchmarks.parity_inputs import frozen_head
 from benchmarks.peers import PeerUnavailable
 from dflash_actors.data.batching import Batch
 from dflash_actors.models.dflash2 import SelectorObjective
@@ -100,9 +100,7 @@ def case(holes: bool, seed: int = 0, objective: SelectorObjective = NEMO_SEMANTI
     anchors = [6, 11, 17, 25, 33]
     drafter = DFlashDrafter(ours_config)
     drafter.load_state_dict(state, strict=True)
-    frozen = SimpleNamespace(embed_tokens=torch.nn.Embedding.from_pretrained(embed, freeze=True),
-                             lm_head=torch.nn.Linear(H, V, bias=False).requires_grad_(False))
-    frozen.lm_head.weight.data.copy_(head)
+    frozen = frozen_head(embed, head)
     ids = acceptable_text(drafter, frozen, ids, feats, anchors)
     theirs = nemo.nemo_step(config, state, embed, head, ids, mask, feats, anchors, gamma=GAMMA, sliding_window=window)
 

@@ -24,6 +24,7 @@ from transformers import Qwen3Config
 
 from benchmarks import harness
 from benchmarks import nemo_dspark as nemo
+from benchmarks.parity_inputs import draw_drafter, draw_text, frozen_head
 from benchmarks.peers import PeerUnavailable
 from dflash_actors.data.batching import Batch
 from dflash_actors.models.blocks import anchor_candidates, padded_hidden
@@ -53,36 +54,15 @@ def tiny_config() -> Qwen3Config:
 def inputs(holes: bool, seed: int = 0) -> SimpleNamespace:
     g = torch.Generator().manual_seed(seed)
     config = tiny_config()
-    H, V, L = config.hidden_size, config.vocab_size, 40
-    drafter = DFlashDrafter(config)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.startswith("markov_head."):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))       # a bias that changes the argmax
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    embed = torch.randn(V, H, generator=g)
-    head = torch.randn(V, H, generator=g) / H ** 0.5
-    head[:8] *= 4.0          # the text's tokens (0..7) lead the logits: argmaxes are sometimes right
-    ids = torch.randint(0, 8, (1, L), generator=g)
-    mask = torch.ones(1, L)
-    mask[0, :6] = 0
-    if holes:
-        mask[0, [14, 20, 30]] = 0
-    feats = torch.randn(1, L, 2 * H, generator=g)
-    last = torch.randn(1, L, H, generator=g)
-    return SimpleNamespace(config=config, drafter=drafter, state=drafter.state_dict(), embed=embed, head=head,
-                           ids=ids, mask=mask, feats=feats, last=last)
+    drafter = draw_drafter(DFlashDrafter(config), g, "markov_head.", 0.5)    # a Markov bias that changes the argmax
+    text = draw_text(g, config.vocab_size, config.hidden_size, holes)
+    return SimpleNamespace(config=config, drafter=drafter, state=drafter.state_dict(), **vars(text))
 
 
 def ours(x: SimpleNamespace, objective: DSparkObjective = DEEPSPEC, gamma: float = GAMMA) -> dict:
-    d, (L, H) = x.drafter, x.last.shape[1:]
+    d, L = x.drafter, x.last.shape[1]
     d.zero_grad(set_to_none=True)
-    frozen = SimpleNamespace(embed_tokens=torch.nn.Embedding.from_pretrained(x.embed, freeze=True),
-                             lm_head=torch.nn.Linear(H, x.head.shape[0], bias=False).requires_grad_(False))
-    frozen.lm_head.weight.data.copy_(x.head)
+    frozen = frozen_head(x.embed, x.head)
     batch = Batch(x.ids[0], torch.arange(L), x.mask[0].to(torch.int8), torch.tensor([0, L], dtype=torch.int32), L)
     anchors = anchor_candidates(x.mask[0].numpy())
     blocks = lay_out(batch, [anchors], d.block_size, "cpu", d.label_shift)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from benchmarks import harness, peers
+from benchmarks.parity_inputs import LENGTH, draw_drafter, draw_text, frozen_head
 from dflash_actors.data.batching import Batch
 from dflash_actors.models.blocks import anchor_candidates, padded_hidden
 from dflash_actors.models.drafter import DFlashDrafter
@@ -46,7 +47,7 @@ RTOL = 1e-4
 """Float32 sums in another order (and speculators' 1e-5 in its denominator, given to ours too)."""
 GAMMA = 4.0
 SPECULATORS = XPressObjective()      # 0.1 CE + 0.9 TV, 3 rounds at 0.3, anchor 0.6, target-argmax CE
-B, L = 4, 40
+B, L = 4, LENGTH
 
 
 def load():
@@ -67,39 +68,16 @@ def tiny_config() -> Qwen3Config:
 def inputs(holes: bool, seed: int = 0) -> SimpleNamespace:
     g = torch.Generator().manual_seed(seed)
     config = tiny_config()
-    H, V = config.hidden_size, config.vocab_size
-    drafter = DFlashDrafter(config)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.startswith("refiner_head."):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))      # a bias that moves some argmaxes
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    embed = torch.randn(V, H, generator=g)
-    head = torch.randn(V, H, generator=g) / H ** 0.5
-    head[:8] *= 4.0          # the text's tokens (0..7) lead the logits: argmaxes are sometimes right
-    ids = torch.randint(0, 8, (1, L), generator=g)
-    mask = torch.ones(1, L)
-    mask[0, :6] = 0
-    if holes:
-        mask[0, [14, 20, 30]] = 0
-    feats = torch.randn(1, L, 2 * H, generator=g)
-    last = torch.randn(1, L, H, generator=g)
+    drafter = draw_drafter(DFlashDrafter(config), g, "refiner_head.", 0.3)    # a bias that moves some argmaxes
+    text = draw_text(g, config.vocab_size, config.hidden_size, holes)
     # Anchors whose whole block lies inside the text (speculators indexes every slot's token),
     # position 0 among them (its slot 0 then reads the anchor as its previous token).
-    anchors = [0] + [int(a) for a in anchor_candidates(mask[0].numpy()) if a + B <= L]
-    return SimpleNamespace(config=config, drafter=drafter, embed=embed, head=head, ids=ids, mask=mask,
-                           feats=feats, last=last, anchors=anchors)
+    anchors = [0] + [int(a) for a in anchor_candidates(text.mask[0].numpy()) if a + B <= L]
+    return SimpleNamespace(config=config, drafter=drafter, anchors=anchors, **vars(text))
 
 
 def frozen(x: SimpleNamespace) -> SimpleNamespace:
-    H = x.embed.shape[1]
-    out = SimpleNamespace(embed_tokens=torch.nn.Embedding.from_pretrained(x.embed, freeze=True),
-                          lm_head=torch.nn.Linear(H, x.head.shape[0], bias=False).requires_grad_(False))
-    out.lm_head.weight.data.copy_(x.head)
-    return out
+    return frozen_head(x.embed, x.head)
 
 
 def layout(x: SimpleNamespace, d: DFlashDrafter):

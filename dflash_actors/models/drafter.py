@@ -382,9 +382,11 @@ class DFlashDrafter(nn.Module):
         layer: what its window keeps): noise ``[N, Q, H]`` at ``position_ids`` ``[N, Q]``,
         context from ``context_kv``, whose rows are positions ``0 .. C-1``."""
         rope = self.rotary_emb(noise, position_ids)
-        C = ctx_kv[0][0].shape[2] if ctx_kv else 0
-        keys = torch.cat([torch.arange(C, device=noise.device).expand(len(position_ids), C), position_ids], 1)
-        masks = {w: None if w is None else window_band(position_ids, keys, w)[:, None] for w in self.windows}
+        masks = {None: None}        # full attention: no mask; a window: its band over the keys' positions
+        if self.windows - {None}:
+            C = ctx_kv[0][0].shape[2]
+            keys = torch.cat([torch.arange(C, device=noise.device).expand(len(position_ids), C), position_ids], 1)
+            masks |= {w: window_band(position_ids, keys, w)[:, None] for w in self.windows - {None}}
         x = noise
         for layer, kv in zip(self.layers, ctx_kv):
             x = layer.forward_cached(x, kv, rope, masks[layer.window])

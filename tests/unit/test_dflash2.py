@@ -9,15 +9,13 @@ import torch
 from safetensors import safe_open
 
 from dflash_actors.config import ConfigError
-from dflash_actors.data.batching import Batch, BatchBuffers, assemble, plan_for
-from dflash_actors.data.dataset import open_dataset
-from dflash_actors.data.synthetic import train_path
 from dflash_actors.models import dflash2
 from dflash_actors.models.blocks import all_anchors, block_hidden
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.loss import Objective, batch_loss, dflash_loss
 from dflash_actors.train.drafter_step import drafter_step
+from tests.support.heads import first_batch, moved_off_start
 
 B = 8
 
@@ -30,23 +28,14 @@ def arch(cfg, **extra):
 @pytest.fixture(scope="module")
 def setup(tiny):
     cfg, target = tiny
-    ds = open_dataset(cfg.data, progress=False, path=train_path(cfg))
-    buf = BatchBuffers.allocate(cfg.batching.token_budget, cfg.batching.max_samples)
-    batch = Batch.from_buffers(buf, assemble(ds, plan_for(cfg, ds.lengths, 0).batch(0), buf))
-    batch = Batch(*(t.clone() for t in (batch.input_ids, batch.position_ids, batch.loss_mask, batch.cu_seqlens)),
-                  batch.max_len)
+    batch = first_batch(cfg)
     return cfg, target, batch, target.features(batch)
 
 
 def trained_like(d: DFlashDrafter, seed: int = 0) -> DFlashDrafter:
     """``d`` with its DFlash2 parts moved off their identity start, as training moves them."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if "_conv." in name or name.startswith("candidate_selector."):
-                p.add_(torch.randn(p.shape, generator=g) * (0.3 if "base_kernel" in name or "codebook" in name
-                                                             else 0.05))
-    return d
+    return moved_off_start(d, lambda name: "_conv." in name or name.startswith("candidate_selector."),
+                           lambda name: 0.3 if "base_kernel" in name or "codebook" in name else 0.05, seed)
 
 
 def test_a_fresh_dflash2_computes_what_the_dflash_of_its_seed_computes(setup):

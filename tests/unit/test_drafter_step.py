@@ -6,13 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_actors.data.batching import Batch, BatchBuffers, assemble, plan_for
-from dflash_actors.data.dataset import open_dataset
-from dflash_actors.data.synthetic import train_path
 from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.loss import Objective, batch_loss
 from dflash_actors.models.target import load_target
 from dflash_actors.train.drafter_step import drafter_step, split_anchors
+from tests.support.heads import first_batch
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +21,7 @@ def tiny_cfg(tiny):
 @pytest.fixture(scope="module")
 def setup(tiny):
     tiny_cfg, target = tiny
-    ds = open_dataset(tiny_cfg.data, progress=False, path=train_path(tiny_cfg))
-    plan = plan_for(tiny_cfg, ds.lengths, 0)
-    buf = BatchBuffers.allocate(tiny_cfg.batching.token_budget, tiny_cfg.batching.max_samples)
-    batch = Batch.from_buffers(buf, assemble(ds, plan.batch(0), buf))
-    batch = Batch(*(t.clone() for t in (batch.input_ids, batch.position_ids, batch.loss_mask, batch.cu_seqlens)),
-                  batch.max_len)
+    batch = first_batch(tiny_cfg)
     return target, batch, target.features(batch)
 
 

@@ -11,9 +11,6 @@ import torch
 from safetensors import safe_open
 
 from dflash_actors.config import ConfigError
-from dflash_actors.data.batching import Batch, BatchBuffers, assemble, plan_for
-from dflash_actors.data.dataset import open_dataset
-from dflash_actors.data.synthetic import train_path
 from dflash_actors.models import dspark
 from dflash_actors.models.blocks import all_anchors, block_labels
 from dflash_actors.models.drafter import DFlashDrafter
@@ -21,6 +18,7 @@ from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.loss import Objective, batch_loss, dflash_loss
 from dflash_actors.models.target import TargetModel
 from dflash_actors.train.drafter_step import drafter_step
+from tests.support.heads import first_batch, moved_off_start
 
 
 def arch(cfg, **drafter):
@@ -31,23 +29,14 @@ def arch(cfg, **drafter):
 @pytest.fixture(scope="module")
 def setup(tiny):
     cfg, target = tiny
-    ds = open_dataset(cfg.data, progress=False, path=train_path(cfg))
-    buf = BatchBuffers.allocate(cfg.batching.token_budget, cfg.batching.max_samples)
-    batch = Batch.from_buffers(buf, assemble(ds, plan_for(cfg, ds.lengths, 0).batch(0), buf))
-    batch = Batch(*(t.clone() for t in (batch.input_ids, batch.position_ids, batch.loss_mask, batch.cu_seqlens)),
-                  batch.max_len)
+    batch = first_batch(cfg)
     teacher = TargetModel(target.model, target.layer_ids, teacher=True)
     return cfg, target, batch, teacher.features(batch)
 
 
 def trained_like(d: DFlashDrafter, seed: int = 0) -> DFlashDrafter:
     """``d`` with its heads moved off their small start, as training moves them."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if name.startswith(("markov_head.", "confidence_head.")):
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    return d
+    return moved_off_start(d, lambda name: name.startswith(("markov_head.", "confidence_head.")), 0.3, seed)
 
 
 def test_config_rules(tiny):
