@@ -33,7 +33,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks import nemo_dflash2 as nemo
-from benchmarks.parity_inputs import frozen_head
+from benchmarks.parity_inputs import LENGTH, draw_text, frozen_head
 from benchmarks.peers import PeerUnavailable
 from dflash_actors.data.batching import Batch
 from dflash_actors.models.dflash2 import SelectorObjective
@@ -86,17 +86,11 @@ def case(holes: bool, seed: int = 0, objective: SelectorObjective = NEMO_SEMANTI
     if ours_w is not None:
         ours_config.layer_types = ["sliding_attention"] * config.num_hidden_layers
         ours_config.sliding_window, ours_config.use_sliding_window = ours_w, True
-    H, V, L = config.hidden_size, config.vocab_size, 40
+    L = LENGTH
     state = nemo.random_state(config, g)
-    embed = torch.randn(V, H, generator=g)
-    head = torch.randn(V, H, generator=g) / H ** 0.5
-    head[:8] *= 4.0          # the text's tokens (0..7) lead the logits: many land in the top-K
-    ids = torch.randint(0, 8, (1, L), generator=g)
-    mask = torch.ones(1, L)
-    mask[0, :6] = 0
-    if holes:
-        mask[0, [14, 20, 30]] = 0
-    feats = torch.randn(1, L, 2 * H, generator=g)
+    # The text's tokens lead the logits: many land in the top-K (its last layer is unused here).
+    text = draw_text(g, config.vocab_size, config.hidden_size, holes)
+    embed, head, ids, mask, feats = text.embed, text.head, text.ids, text.mask, text.feats
     anchors = [6, 11, 17, 25, 33]
     drafter = DFlashDrafter(ours_config)
     drafter.load_state_dict(state, strict=True)
