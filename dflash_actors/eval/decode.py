@@ -199,10 +199,10 @@ class DrafterBlocks:
         refiner = getattr(self.drafter, "refiner_head", None)
         if refiner is not None:
             # XPress: the backbone's argmax, then its Jacobi rounds over the whole block
-            # (slot 0's state enters the block mean), slot 0 after the token before the anchor.
+            # (slot 0's state enters the block mean and the mixer); slot 0 reads the anchor
+            # as its previous token, as vLLM 0.33 serves it (``models.xpress``).
             passes = xpress_sizes(self.drafter.config)["num_jacobi_passes"]
-            return [jacobi(refiner, b[None], x[None], i[-2:-1] if len(i) > 1 else i[-1:], i[-1:], passes)[0]
-                    for b, x, i in zip(whole, logits, ids)]
+            return [jacobi(refiner, b[None], x[None], i[-1:], i[-1:], passes)[0] for b, x, i in zip(whole, logits, ids)]
         markov = getattr(self.drafter, "markov_head", None)
         if markov is not None:
             return [markov_walk(markov, x[None], i[-1:])[0] for x, i in zip(logits, ids)]

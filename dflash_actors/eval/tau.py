@@ -371,7 +371,7 @@ def _jacobi_correct(drafter, target, hidden, ids, anchors, labels, valid) -> tup
     by ``num_jacobi_passes`` Jacobi rounds (``models.xpress.jacobi``), so the whole block's
     drafts are made, then cut at the first wrong slot."""
     passes = xpress_sizes(drafter.config)["num_jacobi_passes"]
-    before = torch.where(anchors > 0, ids[(anchors - 1).clamp(min=0)], ids[anchors])
+    before = ids[anchors]       # slot 0 reads the anchor, as decoding and vLLM 0.33 do (``models.xpress``)
     drafts = []
     for s in range(0, len(anchors), JACOBI_BLOCKS):
         sl = slice(s, s + JACOBI_BLOCKS)

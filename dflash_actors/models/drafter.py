@@ -28,7 +28,17 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from .dflash2 import DFLASH2_KEYS, BlockConv, CandidateSelector
 from .dspark import DSPARK_ARCH, DSPARK_KEYS, build_heads, is_dspark
 from .target_dir import is_hf_dir
-from .xpress import XPRESS_ARCH, XPRESS_KEYS, build_refiner, is_xpress, xpress_sizes
+from .xpress import (
+    XPRESS_ARCH,
+    XPRESS_KEYS,
+    build_refiner,
+    engine_fields,
+    from_engine_names,
+    is_xpress,
+    settle_engine_keys,
+    to_engine_names,
+    xpress_sizes,
+)
 
 WEIGHTS = "model.safetensors"
 # Saved as ``dflash.py`` beside the weights: config.json's ``auto_map`` names it.
@@ -400,8 +410,12 @@ class DFlashDrafter(nn.Module):
         d = self.config.to_dict()
         d["architectures"] = [{"dflash2": "DFlash2DraftModel", "dspark": DSPARK_ARCH,
                                "xpress": XPRESS_ARCH}.get(arch_of(self.config)[0], "DFlashDraftModel")]
+        if self.refiner_head is not None:
+            d.update(engine_fields(xpress_sizes(self.config), self.block_size))     # vLLM 0.33's keys
         (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.refiner_head is not None:
+            state = to_engine_names(state)      # vLLM 0.33's names for the refiner
         save_file(state, str(path / WEIGHTS), metadata={"format": "pt"})
         if arch_of(self.config)[0] == "dflash":
             shutil.copyfile(HF_MODELING, path / "dflash.py")
@@ -417,6 +431,8 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"{path / WEIGHTS}: not readable as safetensors ({e or type(e).__name__})") from None
         # Codebooks saved as nn.Embedding weights (``...codebook.weight``) are the same tensors.
         state = {k.removesuffix(".weight") if k.endswith("_codebook.weight") else k: v for k, v in state.items()}
+        state = from_engine_names(state)        # an XPress refiner under vLLM's names, or speculators'
+
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: weights do not match its config.json "
@@ -448,6 +464,8 @@ def read_config(path: str | Path) -> Qwen3Config:
     cfg = Qwen3Config.from_dict(d)
     for k, v in extra.items():
         setattr(cfg, k, v)
+    if is_xpress(cfg):
+        settle_engine_keys(cfg)
     return cfg
 
 

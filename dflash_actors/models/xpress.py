@@ -35,9 +35,19 @@ reference for each fact, the file named beside it):
   right its previous tokens are the drafts', so that is the left-to-right walk's tau, which
   K >= B-1 rounds reach (``metrics.py`` scores the same pass's argmax).
 
-Tensor names are speculators' (``refiner_head.token_embed.weight``, ``down_h``, ``down_g``,
-``in_proj``, ``mix_l``, ``mlp_gate``, ``mlp_up``, ``mlp_down``, ``readout``) and the config
-keys its ``XPressSpeculatorConfig`` fields (``XPRESS_KEYS``).
+The module's names are speculators' (``refiner_head.token_embed``, ``down_h``, ``down_g``,
+``in_proj``, ``mix_l``, ``mlp_gate``, ``mlp_up``, ``mlp_down``, ``readout``) and its config
+keys ``XPressSpeculatorConfig``'s (``XPRESS_KEYS``). The export writes what vLLM 0.33's
+``qwen3_xpress.Qwen3XPressForCausalLM`` loads (``ENGINE_NAMES``, ``engine_fields``): the
+refiner under ``xpress_head.`` with its own names (``w1``, ``mix.L``, ``mlp.gate_proj``, ...,
+``w2``) and ``xpress_mlp_hidden``, ``xpress_num_passes``, ``xpress_block_size``,
+``xpress_topc`` beside speculators' keys; either naming loads back.
+
+Slot 0's previous token when decoding is the anchor itself, not ``tok[a-1]``: vLLM 0.33's
+``XPressSpeculator`` has no id buffer holding the token before the anchor and passes the
+anchor in its place. Slot 0 is never scored, but its state reaches the draft slots through
+the mixer's column 0, so decoding here does the same, and tau counts what that engine
+drafts. Training keeps speculators' ``tok[a-1]``.
 """
 
 from __future__ import annotations
@@ -58,8 +68,21 @@ XPRESS_DEFAULTS = {"xpress_mlp_ratio": 2, "num_jacobi_passes": 6}
 """What speculators' config assumes when a key is absent (``xpress_rank`` marks an XPress)."""
 
 XPRESS_ARCH = "Qwen3XPressModel"
-"""The architecture vLLM 0.33 names for a Qwen3-backbone XPress drafter (research notes;
-its loader was not available here to check what else it reads)."""
+"""The architecture vLLM 0.33 registers for a Qwen3-backbone XPress drafter."""
+
+ENGINE_PREFIX = "xpress_head."
+ENGINE_NAMES = {"token_embed.weight": "w1.weight", "down_h.weight": "down_h.weight",
+                "down_g.weight": "down_g.weight", "in_proj.weight": "in_proj.weight", "mix_l": "mix.L",
+                "mlp_gate.weight": "mlp.gate_proj.weight", "mlp_up.weight": "mlp.up_proj.weight",
+                "mlp_down.weight": "mlp.down_proj.weight", "readout.weight": "w2.weight"}
+"""``refiner_head.<ours>`` -> ``xpress_head.<vLLM 0.33's>``: the names its ``load_weights``
+maps (``XPressRefinerHead.HYBRID_KEY_MAP``). ``mix.L`` is the raw mixer, as trained (vLLM
+folds ``L * tril + I`` itself after loading)."""
+
+ENGINE_TOPC = 0
+"""Exported as ``xpress_topc``. vLLM 0.33 scores each Jacobi pass on the backbone's top 512
+tokens by default, which can draft otherwise than the exact rule trained and measured here;
+0 keeps its exact full-vocabulary scoring (512 is faster on large vocabularies)."""
 
 DEFAULT_GAMMA = 4.0
 """speculators' ``dflash_decay_gamma`` default for XPress, whatever the block."""
@@ -73,9 +96,62 @@ def is_xpress(config) -> bool:
 
 
 def xpress_sizes(config) -> dict:
-    """The ``XPRESS_KEYS`` of an XPress config, speculators' defaults where absent."""
+    """The ``XPRESS_KEYS`` of an XPress config: speculators' keys, else vLLM 0.33's
+    (``xpress_mlp_hidden`` over the rank, ``xpress_num_passes``), else speculators'
+    defaults. ValueError where the two namings disagree."""
     got = {k: getattr(config, k, None) for k in XPRESS_KEYS}
+    r, hidden, passes = got["xpress_rank"], getattr(config, "xpress_mlp_hidden", None), \
+        getattr(config, "xpress_num_passes", None)
+    engine = {"xpress_mlp_ratio": None if hidden is None or r is None else int(hidden) / int(r),
+              "num_jacobi_passes": passes}
+    for k, v in engine.items():
+        if v is not None and got[k] is not None and float(got[k]) != float(v):
+            raise ValueError(f"config.json: {k} {got[k]} and vLLM's "
+                             f"{'xpress_mlp_hidden / xpress_rank' if k == 'xpress_mlp_ratio' else 'xpress_num_passes'}"
+                             f" {v:g} disagree")
+        if v is not None and got[k] is None:
+            if v != int(v) or v < 1:
+                raise ValueError(f"config.json: xpress_mlp_hidden {hidden} is not a multiple of xpress_rank {r}")
+            got[k] = int(v)
+    block = getattr(config, "xpress_block_size", None)
+    if block is not None and int(block) != int(getattr(config, "block_size", block)):
+        raise ValueError(f"config.json: xpress_block_size {block} and block_size {config.block_size} disagree")
     return {k: int(XPRESS_DEFAULTS[k] if v is None else v) for k, v in got.items()}
+
+
+def engine_fields(sizes: dict, block_size: int) -> dict:
+    """What vLLM 0.33's ``Qwen3XPressModel`` and ``XPressSpeculator`` read from config.json,
+    besides ``xpress_rank`` (their defaults are 512, 6, ``num_speculative_tokens + 1`` and 512)."""
+    return {"xpress_mlp_hidden": sizes["xpress_rank"] * sizes["xpress_mlp_ratio"],
+            "xpress_num_passes": sizes["num_jacobi_passes"], "xpress_block_size": int(block_size),
+            "xpress_topc": ENGINE_TOPC}
+
+
+ENGINE_KEYS = ("xpress_mlp_hidden", "xpress_num_passes", "xpress_block_size", "xpress_topc")
+
+
+def settle_engine_keys(config) -> None:
+    """A read config's sizes as speculators' keys only (``xpress_sizes``: refused where vLLM's
+    disagree), vLLM's dropped: the drafter keeps one naming, the export writes both."""
+    sizes = xpress_sizes(config)
+    for k, v in sizes.items():
+        setattr(config, k, v)
+    for k in ENGINE_KEYS:
+        if hasattr(config, k):
+            delattr(config, k)
+
+
+def to_engine_names(state: dict) -> dict:
+    """A drafter's state dict with the refiner under vLLM 0.33's names."""
+    mine = "refiner_head."
+    return {(ENGINE_PREFIX + ENGINE_NAMES[k[len(mine):]] if k.startswith(mine) else k): v for k, v in state.items()}
+
+
+def from_engine_names(state: dict) -> dict:
+    """``to_engine_names`` undone; speculators' names (``refiner_head.*``) pass unchanged."""
+    back = {v: k for k, v in ENGINE_NAMES.items()}
+    return {("refiner_head." + back.get(k[len(ENGINE_PREFIX):], k[len(ENGINE_PREFIX):])
+             if k.startswith(ENGINE_PREFIX) else k): v for k, v in state.items()}
 
 
 def xpress_fields(drafter_cfg) -> dict | None:

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from dflash_actors.config import ConfigError
 from dflash_actors.data.batching import Batch
@@ -142,17 +143,38 @@ def test_export_and_reload(setup, tmp_path):
     conf = json.loads((tmp_path / "dr" / "config.json").read_text())
     assert conf["architectures"] == ["Qwen3XPressModel"] and "auto_map" not in conf
     assert (conf["xpress_rank"], conf["xpress_mlp_ratio"], conf["num_jacobi_passes"]) == (8, 2, 6)
+    # vLLM 0.33's keys beside speculators': the MLP width, passes, block, exact scoring.
+    assert (conf["xpress_mlp_hidden"], conf["xpress_num_passes"], conf["xpress_block_size"],
+            conf["xpress_topc"]) == (16, 6, d.block_size, 0)
     assert conf["sample_from_anchor"] is False and conf["is_causal"] is False
     assert conf["dflash_config"]["target_layer_ids"] == list(target.layer_ids)
     with safe_open(str(tmp_path / "dr" / "model.safetensors"), "pt") as f:
-        names = {k.removeprefix("refiner_head.") for k in f.keys() if k.startswith("refiner_head.")}
-    assert names == REFINER
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    # The refiner under vLLM 0.33's names (its load_weights' map), nothing under ours.
+    assert {k.removeprefix("xpress_head.") for k in saved if k.startswith("xpress_head.")} == \
+        set(xpress.ENGINE_NAMES.values()) and not any(k.startswith("refiner_head.") for k in saved)
+    assert torch.equal(saved["xpress_head.w2.weight"], d.refiner_head.readout.weight)
+    assert torch.equal(saved["xpress_head.mix.L"], d.refiner_head.mix_l)
+    assert {xpress.ENGINE_NAMES[k] for k in REFINER} == set(xpress.ENGINE_NAMES.values())
     back = DFlashDrafter.from_pretrained(tmp_path / "dr")
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in d.state_dict().items())
+    # speculators' names (the exports before vLLM's were read) load the same.
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "config.json").write_text(json.dumps(conf))
+    save_file({k: v.contiguous() for k, v in d.state_dict().items()}, str(tmp_path / "ours" / "model.safetensors"))
+    ours = DFlashDrafter.from_pretrained(tmp_path / "ours")
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in d.state_dict().items())
+    # The two namings of a size must agree.
+    for key, bad in (("xpress_mlp_hidden", 24), ("xpress_num_passes", 3), ("xpress_block_size", d.block_size + 1)):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "config.json").write_text(json.dumps({**conf, key: bad}))
+        (tmp_path / key / "model.safetensors").write_bytes((tmp_path / "dr" / "model.safetensors").read_bytes())
+        with pytest.raises(ValueError, match=f"{key}.* disagree"):
+            DFlashDrafter.from_pretrained(tmp_path / key)
     again = build_drafter(arch(cfg).updated({"drafter.init_from": str(tmp_path / "dr")}), target)
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in d.state_dict().items())
     # A config that states only the rank (speculators' defaults for the rest) reads the same.
-    for k in ("xpress_mlp_ratio", "num_jacobi_passes"):
+    for k in ("xpress_mlp_ratio", "num_jacobi_passes", "xpress_mlp_hidden", "xpress_num_passes"):
         del conf[k]
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "config.json").write_text(json.dumps(conf))
