@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import tempfile
 import types
 import zipfile
 from pathlib import Path
@@ -170,15 +171,15 @@ def check(export: Path, wheel: Path = WHEEL, blocks: int = 64, seed: int = 0) ->
         before_differs = not torch.equal(jacobi(refiner, hidden, base[:, 1:], other, anchor,
                                                 int(config.num_jacobi_passes)), theirs)
     rel = float((theirs_bias - our_bias).abs().max() / our_bias.abs().max())
-    renamed = export.parent / f"{export.name}-speculators-names"
-    renamed.mkdir(exist_ok=True)
-    (renamed / "config.json").write_bytes((export / "config.json").read_bytes())
-    save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, str(renamed / "model.safetensors"))
-    try:
-        _, _, old = engine_head(module, renamed)
-        refused = f"loaded, {len(old['head_unwritten'])} head parameters unwritten" if old["head_unwritten"] else ""
-    except ValueError as e:     # vLLM's own load_weights refuses a checkpoint without xpress_head.mix.L
-        refused = f"vLLM refused: {e}"
+    with tempfile.TemporaryDirectory(prefix="engine-xpress-names-") as tmp:     # never beside the user's export
+        renamed = Path(tmp)
+        (renamed / "config.json").write_bytes((export / "config.json").read_bytes())
+        save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, str(renamed / "model.safetensors"))
+        try:
+            _, _, old = engine_head(module, renamed)
+            refused = f"loaded, {len(old['head_unwritten'])} head parameters unwritten" if old["head_unwritten"] else ""
+        except ValueError as e:     # vLLM's own load_weights refuses a checkpoint without xpress_head.mix.L
+            refused = f"vLLM refused: {e}"
     controls = {"slot0_after_another_token_drafts_otherwise": before_differs,
                 "speculators_names": refused or "loaded whole (the check cannot tell names apart)"}
     ok = (not load["unplaced"] and not load["head_unwritten"] and not load["nan_left"] and rel < 1e-5
@@ -197,7 +198,6 @@ def main(argv=None) -> int:
     ap.add_argument("export", nargs="?", help="an XPress export (checkpoints/step-*); default: a tiny one drawn here")
     ap.add_argument("--wheel", default=str(WHEEL))
     args = ap.parse_args(argv)
-    import tempfile
     with tempfile.TemporaryDirectory(prefix="engine-xpress-") as tmp:
         export = Path(args.export) if args.export else tiny_export(Path(tmp))
         try:

@@ -539,9 +539,9 @@ def main(argv=None) -> int:
     base = [f"data.path={args.data}", f"eval.data={args.heldout}", "train.num_threads=1", *args.overrides]
     base += ["target.feature_cache=disk"] if args.minutes else ["target.feature_cache=memory"]
     cache_root = Path(args.cache_root) if args.minutes else None
-    texts = open_dataset(load_config(CONFIG, base).data, progress=False, path=args.heldout)
-    external = (open_dataset(load_config(CONFIG, base).data, progress=False, path=args.external)
-                if args.external else None)
+    data = load_config(CONFIG, base).data
+    texts = open_dataset(data, progress=False, path=args.heldout)
+    external = open_dataset(data, progress=False, path=args.external) if args.external else None
     marks = {int(x) for x in args.marks.split(",") if x}
     steps = None if args.minutes else args.steps
     if args.one:

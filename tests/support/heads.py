@@ -21,6 +21,16 @@ def first_batch(cfg) -> Batch:
                  batch.max_len)
 
 
+def with_teacher(tiny):
+    """``(cfg, target, first batch, its features with the target's last state)``: what the
+    DSpark and XPress tests train on (their objectives read the target's distribution)."""
+    from dflash_actors.models.target import TargetModel
+
+    cfg, target = tiny
+    batch = first_batch(cfg)
+    return cfg, target, batch, TargetModel(target.model, target.layer_ids, teacher=True).features(batch)
+
+
 def moved_off_start(d, picks, scale, seed: int = 0):
     """``d`` with every parameter ``picks(name)`` accepts moved by N(0, 1) times
     ``scale(name)`` (a number, or a function of the name), in place."""

@@ -16,9 +16,8 @@ from dflash_actors.models.blocks import all_anchors, block_labels
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.loss import Objective, batch_loss, dflash_loss
-from dflash_actors.models.target import TargetModel
 from dflash_actors.train.drafter_step import drafter_step
-from tests.support.heads import first_batch, moved_off_start
+from tests.support.heads import moved_off_start, with_teacher
 
 
 def arch(cfg, **drafter):
@@ -28,10 +27,7 @@ def arch(cfg, **drafter):
 
 @pytest.fixture(scope="module")
 def setup(tiny):
-    cfg, target = tiny
-    batch = first_batch(cfg)
-    teacher = TargetModel(target.model, target.layer_ids, teacher=True)
-    return cfg, target, batch, teacher.features(batch)
+    return with_teacher(tiny)
 
 
 def trained_like(d: DFlashDrafter, seed: int = 0) -> DFlashDrafter:

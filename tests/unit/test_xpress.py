@@ -16,10 +16,9 @@ from dflash_actors.models import xpress
 from dflash_actors.models.drafter import DFlashDrafter
 from dflash_actors.models.drafter_start import build_drafter
 from dflash_actors.models.loss import Objective, batch_loss
-from dflash_actors.models.target import TargetModel
 from dflash_actors.train.drafter_step import drafter_step
 from dflash_actors.train.optim import takes_muon
-from tests.support.heads import first_batch, moved_off_start
+from tests.support.heads import moved_off_start, with_teacher
 
 REFINER = {"token_embed.weight", "down_h.weight", "down_g.weight", "in_proj.weight", "mix_l", "mlp_gate.weight",
            "mlp_up.weight", "mlp_down.weight", "readout.weight"}
@@ -32,10 +31,7 @@ def arch(cfg, **drafter):
 
 @pytest.fixture(scope="module")
 def setup(tiny):
-    cfg, target = tiny
-    batch = first_batch(cfg)
-    teacher = TargetModel(target.model, target.layer_ids, teacher=True)
-    return cfg, target, batch, teacher.features(batch)
+    return with_teacher(tiny)
 
 
 def trained_like(d: DFlashDrafter, seed: int = 0) -> DFlashDrafter:
